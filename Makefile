@@ -1,0 +1,37 @@
+# Two commands: `make run` trains the default job, `make test` runs the tests.
+# Both create .venv and install the project first (torch pinned first: a CPU wheel unless you
+# override TORCH, e.g. `make run TORCH=torch==2.13.0+cu128 ...` on a GPU machine).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(subst =,_,$(TORCH))
+QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
+CONFIG ?= training/configs/digits.yaml
+ARGS ?=
+
+.PHONY: setup run test test-unit bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q "$(TORCH)" 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e ".[test]" 2>&1 | $(QUIET_PIP)
+	$(PY) -c "import torch, ray, mlflow, pyarrow; print('installed: torch', torch.__version__, 'ray', ray.__version__, 'mlflow', mlflow.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(PY) -m training $(CONFIG) $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -m "not ray" $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs mlflow.db mlruns .pytest_cache

@@ -1,0 +1,85 @@
+"""Checkpoint round trip and format version; model plug-ins and built-ins (no Ray)."""
+
+import json
+
+import pytest
+import torch
+
+from training import checkpoint as ckpt
+from training.config import OptimConfig
+from training.errors import UserError
+from training.loop import build_optimizer, lr_factor
+from training.models import build_model, check_model_fits_task
+
+DIGITS = {"task": "classification", "input_dim": 64, "num_classes": 10}
+TINYLM = {"task": "language_model", "vocab_size": 256, "seq_len": 16}
+
+
+def test_checkpoint_round_trip_restores_everything(tmp_path):
+    torch.manual_seed(0)
+    model = build_model("digits_mlp", {}, DIGITS)
+    optimizer = build_optimizer(OptimConfig(), model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(OptimConfig(warmup_steps=3), 50))
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    loop = ckpt.LoopState(step=17, best_metric=0.5, evals_without_improvement=1)
+    ckpt.save(tmp_path, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+              scheduler_state=scheduler.state_dict(), loop=loop, config={"seed": 3}, steps_per_epoch=5,
+              world_size=2, metrics={"val_loss": 0.5, "note": "x"})
+    state = ckpt.load(tmp_path)
+    assert state["loop"] == loop and state["config"] == {"seed": 3}
+    fresh = build_model("digits_mlp", {}, DIGITS)
+    fresh.load_state_dict(state["model"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    fresh_optimizer = build_optimizer(OptimConfig(), fresh)
+    fresh_optimizer.load_state_dict(state["optimizer"])
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    meta = json.loads((tmp_path / ckpt.META_FILE).read_text())
+    assert (meta["step"], meta["epoch"], meta["position_in_epoch"], meta["world_size"]) == (17, 3, 2, 2)
+    assert meta["metrics"] == {"val_loss": 0.5} and meta["format_version"] == ckpt.FORMAT_VERSION
+
+
+def test_checkpoint_of_another_format_is_refused(tmp_path):
+    torch.save({"format_version": 999}, tmp_path / ckpt.STATE_FILE)
+    with pytest.raises(ValueError, match="format 999"):
+        ckpt.load(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        ckpt.load(tmp_path / "missing")
+
+
+def test_step_seed_depends_on_seed_step_and_rank():
+    seeds = {ckpt.step_seed(s, t, r) for s in (0, 1) for t in (0, 1, 2) for r in (0, 1)}
+    assert len(seeds) == 12 and ckpt.step_seed(0, 5, 1) == ckpt.step_seed(0, 5, 1)
+
+
+def test_warmup_then_cosine():
+    factor = lr_factor(OptimConfig(warmup_steps=10, min_lr_ratio=0.1), total_steps=110)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(60) == pytest.approx(0.55) and factor(110) == pytest.approx(0.1)
+
+
+def test_builtin_models_shapes():
+    assert build_model("digits_mlp", {"hidden": [32]}, DIGITS)(torch.randn(5, 64)).shape == (5, 10)
+    assert build_model("digits_cnn", {}, DIGITS)(torch.randn(3, 64)).shape == (3, 10)
+    gpt = build_model("gpt", {"n_layer": 1, "d_model": 32, "n_head": 2}, TINYLM)
+    assert gpt(torch.randint(0, 256, (2, 16))).shape == (2, 16, 256)
+
+
+def test_model_plugin_by_import_string():
+    model = build_model("plugins.examples:linear", {"scale": 2.0}, DIGITS)
+    assert model(torch.randn(4, 64)).shape == (4, 10)
+    with pytest.raises(UserError, match="not a torch.nn.Module"):
+        build_model("plugins.examples:not_a_module", {}, DIGITS)
+    with pytest.raises(UserError, match="has no function 'missing'"):
+        build_model("plugins.examples:missing", {}, DIGITS)
+    with pytest.raises(UserError, match="rejected model.options"):
+        build_model("plugins.examples:linear", {"depth": 3}, DIGITS)
+    with pytest.raises(UserError, match="not an import string"):
+        build_model("plugins/examples.py:linear", {}, DIGITS)
+
+
+def test_model_must_fit_the_task():
+    with pytest.raises(UserError, match="gpt is for language_model data"):
+        check_model_fits_task("gpt", "classification")
+    check_model_fits_task("plugins.examples:linear", "classification")

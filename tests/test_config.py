@@ -1,0 +1,79 @@
+"""Job config: typed sections, strict keys, dotted-path errors, --set overrides."""
+
+import pytest
+import yaml
+
+from conftest import CONFIGS
+from training import config as config_lib
+from training.errors import ConfigError
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    job = config_lib.load(path)
+    assert job.failure.max_failures > 0  # shipped configs survive a failure
+
+
+def test_defaults_and_overrides_by_dotted_path():
+    job = config_lib.load(CONFIGS / "digits.yaml",
+                          ["optim.lr=3e-4", "scaling.num_workers=[1, 3]", "train.early_stopping.patience_evals=2"],
+                          name="my-run")
+    assert job.optim.lr == pytest.approx(3e-4)
+    assert job.scaling.min_workers == 1 and job.scaling.max_workers == 3
+    assert job.train.early_stopping.patience_evals == 2 and job.train.early_stopping.metric == "val_loss"
+    assert job.name == "my-run"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optim.lrr=1"], "optim.lrr: unknown key; allowed: betas, grad_clip_norm, lr"),
+    (["bogus=1"], "bogus: unknown key"),
+    (["train.precision=fp16"], "train.precision: must be 'auto', 'fp32' or 'bf16'"),
+    (["optim.lr=-1"], "optim.lr: Input should be greater than 0"),
+    (["scaling.num_workers=[3, 1]"], "scaling.num_workers: must be a positive int, or [min, max]"),
+    (["train.epochs=2"], "set exactly one of train.max_steps and train.epochs"),
+    (["model.options.hiddn=[3]"], "model.options.hiddn: unknown key; allowed: dropout, hidden"),
+    (["data.options.seq_len=4"], "data.options.seq_len: unknown key; allowed: split_seed, val_fraction"),
+    (["model.name=resnet"], "model.name: unknown model 'resnet'"),
+    (["data.source=imagenet"], "data.source: unknown source 'imagenet'"),
+    (["train.global_batch_size=1"], "train.global_batch_size (1) must be at least scaling.num_workers (2)"),
+    (["name=has space"], "name: String should match pattern"),
+    (["optim=3"], "optim: Input should be a valid dictionary"),
+])
+def test_bad_values_name_the_dotted_path(overrides, expected):
+    with pytest.raises(ConfigError) as error:
+        config_lib.load(CONFIGS / "digits.yaml", overrides)
+    assert expected in str(error.value)
+
+
+def test_set_needs_key_value_and_sections_stay_sections():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        config_lib.load(None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="optim.lr is a value, not a section"):
+        config_lib.load(CONFIGS / "digits.yaml", ["optim.lr.x=1"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_lib.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config_lib.load(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        config_lib.load(bad)
+
+
+def test_resolved_config_round_trips_through_yaml():
+    job = config_lib.load(CONFIGS / "tinylm.yaml", ["train.max_steps=7"])
+    again = config_lib.validate(yaml.safe_load(config_lib.to_yaml(job)))
+    assert again == job
+
+
+def test_flatten_and_identity():
+    job = config_lib.load(CONFIGS / "digits.yaml")
+    flat = config_lib.flatten(job)
+    assert flat["optim.lr"] == "0.003" and flat["scaling.num_workers"] == "2" and flat["name"] == "null"
+    changed = config_lib.load(CONFIGS / "digits.yaml", ["train.max_steps=9", "scaling.num_workers=1"])
+    assert config_lib.identity_of(changed) == config_lib.identity_of(job)  # length and scale may change
+    assert config_lib.identity_of(config_lib.load(CONFIGS / "digits.yaml", ["seed=1"])) != config_lib.identity_of(job)

@@ -1,0 +1,97 @@
+"""Integration: real training runs on a local Ray cluster, tracked in a real MLflow store."""
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import CONFIGS
+from training import config as config_lib
+from training.run import run_training
+
+pytestmark = pytest.mark.ray
+
+
+def runs_named(client, experiment, name):
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id], filter_string=f"tags.`training.run_name` = '{name}'")
+
+
+def test_default_job_reaches_95_percent_and_is_tracked(ray_cluster, workdir):
+    job = config_lib.load(CONFIGS / "digits.yaml", name="digits-default")
+    summary = run_training(job, config_path=str(CONFIGS / "digits.yaml"))
+
+    assert summary.steps == 400 and summary.metrics["world_size"] == 2
+    assert summary.metrics["val_accuracy"] >= 0.95
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (run,) = runs_named(client, "digits", "digits-default")
+    assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
+    assert run.data.params["optim.lr"] == "0.003" and run.data.params["scaling.num_workers"] == "2"
+    for tag in ("git_commit", "ray_version", "torch_version", "world_size"):
+        assert run.data.tags[tag]
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(steps) and steps[-1] == 400 and len(steps) >= 5
+    assert history[-1].value < history[0].value
+    val_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+    assert {100, 200, 300, 400} <= set(val_steps)
+    assert client.get_metric_history(run.info.run_id, "samples_per_s")[-1].value > 0
+
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config", "plots", "summary.json"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/learning_curve.png"]
+    config_text = client.download_artifacts(run.info.run_id, "config/resolved_config.yaml")
+    assert config_lib.load(config_text).name == "digits-default"
+
+    # The final model: logged with a signature, registered, loadable, any batch size.
+    (version,) = client.search_model_versions("name = 'digits-digits_mlp'")
+    assert version.run_id == run.info.run_id
+    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
+    model = mlflow.pytorch.load_model(f"models:/digits-digits_mlp/{version.version}")
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.from_numpy((digits.data[:7] / 16).astype(np.float32))
+    assert model(x).shape == (7, 10)
+    logged = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run.info.run_id}'")
+    assert len(logged) == 1
+    signature = mlflow.models.get_model_info(logged[0].model_uri).signature
+    assert signature.inputs.to_dict()[0]["tensor-spec"]["shape"] in ([-1, 64], (-1, 64))
+
+    # Checkpoints: the best two by val_accuracy and the latest, each complete.
+    checkpoints = sorted((workdir / "runs" / "digits-default").glob("checkpoint-*"))
+    assert 1 <= len(checkpoints) <= 3 and checkpoints[-1].name == "checkpoint-00000400"
+    assert all((c / "state.pt").is_file() and (c / "meta.json").is_file() for c in checkpoints)
+
+
+def test_a_named_run_resumes_in_the_same_mlflow_run(ray_cluster, workdir):
+    overrides = ["train.eval_every_n_steps=20", "checkpoint.every_n_steps=20", "train.log_every_n_steps=5",
+                 "train.min_report_interval_s=0"]
+    first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="again"))
+    assert first.steps == 40 and not first.resumed
+    second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
+    assert second.steps == 80 and second.resumed
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (run,) = runs_named(client, "digits", "again")
+    assert run.info.run_id == first.mlflow_run_id == second.mlflow_run_id and run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    # The second part continued from step 40: no step logged twice, metrics continue by step.
+    assert steps == sorted(set(steps)) and steps[0] == 5 and steps[-1] == 80 and 45 in steps
+    assert run.data.params["train.max_steps"] == "40"  # params record the first start; resumes keep them
+
+
+def test_tinylm_trains_a_small_decoder(ray_cluster, workdir):
+    job = config_lib.load(CONFIGS / "tinylm.yaml", [
+        "train.max_steps=30", "train.eval_every_n_steps=15", "checkpoint.every_n_steps=15",
+        "data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}"],
+        name="tiny")
+    summary = run_training(job)
+    assert summary.steps == 30
+    assert summary.metrics["val_perplexity"] < 256  # better than uniform over bytes
+    assert summary.metrics["tokens_per_s"] > 0
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (run,) = runs_named(client, "tinylm", "tiny")
+    assert client.get_metric_history(run.info.run_id, "val_perplexity")

@@ -1,0 +1,64 @@
+"""The checkpoint format: one directory, complete and versioned.
+
+    state.pt   model (unwrapped state dict), optimizer, scheduler, loop state, resolved config
+    meta.json  format version, step, epoch, position in the epoch, world size, metrics
+
+The sample order and every random stream are pure functions of (seed, step, rank) (see
+training/data/loader.py and `step_seed`), so (seed, step) is the complete RNG state: a run resumed
+at step s draws exactly what it would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    best_metric: Optional[float] = None
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint-{step:08d}"
+
+
+def save(directory: str | Path, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
+         loop: LoopState, config: dict, steps_per_epoch: int, world_size: int, metrics: dict) -> None:
+    directory = Path(directory)
+    epoch, position = divmod(loop.step, steps_per_epoch)
+    torch.save({"format_version": FORMAT_VERSION, "model": model_state, "optimizer": optimizer_state,
+                "scheduler": scheduler_state, "loop": asdict(loop), "config": config}, directory / STATE_FILE)
+    meta = {"format_version": FORMAT_VERSION, "step": loop.step, "epoch": epoch, "position_in_epoch": position,
+            "steps_per_epoch": steps_per_epoch, "world_size": world_size,
+            "rng": {"scheme": "seeded per (seed, step, rank)", "seed": config["seed"]},
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def load(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no {STATE_FILE}: not a checkpoint of this service")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {directory} has format {state.get('format_version')}; "
+                         f"this version reads format {FORMAT_VERSION}")
+    state["loop"] = LoopState(**state["loop"])
+    return state

@@ -1,0 +1,67 @@
+"""`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run.
+
+Exit codes: 0 the run finished; 2 bad input (nothing was started); 1 the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
+
+EPILOG = """\
+examples:
+  python -m training                                   # the default job: digits, 2 workers
+  python -m training training/configs/tinylm.yaml --set train.max_steps=50
+  python -m training --name my-run                     # run again with the same name to resume it
+  ray job submit --working-dir . -- python -m training training/configs/digits.yaml
+
+Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a local one.
+Tracking: tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.
+Relative paths resolve against $TRAINING_BASE_DIR, else the working directory (~/training
+inside a submitted Ray job).
+exit codes: 0 finished, 1 the run failed, 2 bad input (nothing started)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training", description="Run one distributed training job on Ray.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help=f"job config YAML (default: {DEFAULT_CONFIG.relative_to(Path.cwd()) if DEFAULT_CONFIG.is_relative_to(Path.cwd()) else DEFAULT_CONFIG})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field by dotted path, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--name", help="run name; a run whose name exists in storage is resumed")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    from training import config as config_lib
+    from training.errors import RunFailed, UserError
+
+    config_path = args.config or str(DEFAULT_CONFIG)
+    try:
+        job = config_lib.load(config_path, args.overrides, args.name)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("resolved config:\n" + "\n".join("  " + line for line in config_lib.to_yaml(job).splitlines()), flush=True)
+    if args.print_config:
+        return 0
+    from training.run import run_training
+
+    try:
+        run_training(job, config_path=config_path)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; run the same command with the same --name to resume", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,302 @@
+"""The job config: one typed section per component, composed into `JobConfig`.
+
+YAML is validated once, here, at the boundary. Unknown keys and bad values raise `ConfigError`
+naming the dotted path of the field and what is allowed, before anything starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from training.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    # A built-in model (see training/models) or a plug-in "package.module:function".
+    name: str = "digits_mlp"
+    # Keyword arguments for the model builder; built-ins validate theirs.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class DataConfig(_Section):
+    # A built-in source (digits, tinylm) or a plug-in "package.module:function".
+    source: str = "digits"
+    options: dict[str, Any] = Field(default_factory=dict)
+    # Where prepared Parquet shards are cached; default: <checkpoint.storage_path>/datasets.
+    cache_dir: Optional[str] = None
+    num_shards: int = Field(4, ge=1, le=4096)
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    # Linear warmup for this many steps, then cosine decay to lr * min_lr_ratio.
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    # Clip the global gradient norm; null turns clipping off.
+    grad_clip_norm: Optional[float] = Field(1.0, gt=0)
+
+
+class EarlyStoppingConfig(_Section):
+    metric: str = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    # Stop after this many evaluations without an improvement larger than min_delta.
+    patience_evals: int = Field(3, ge=1)
+    min_delta: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Section):
+    # Length of the run: exactly one of max_steps and epochs.
+    max_steps: Optional[int] = Field(None, ge=1)
+    epochs: Optional[float] = Field(None, gt=0)
+    # Samples per optimizer step across all workers; constant whatever the world size.
+    global_batch_size: int = Field(64, ge=1)
+    # Largest batch one worker runs forward at once; more is gradient accumulation.
+    micro_batch_size: Optional[int] = Field(None, ge=1)
+    # auto: bf16 autocast on CUDA, fp32 on CPU.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    eval_every_n_steps: int = Field(50, ge=1)
+    log_every_n_steps: int = Field(10, ge=1)
+    # Metrics are reported at most this often (Ray Train's controller takes one report per poll);
+    # evaluations and checkpoints are always reported.
+    min_report_interval_s: float = Field(1.0, ge=0)
+    early_stopping: Optional[EarlyStoppingConfig] = None
+    # Threads torch may use in each worker; default: the worker's CPUs.
+    torch_threads: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainConfig":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of train.max_steps and train.epochs")
+        return self
+
+
+class ScalingConfig(_Section):
+    # A fixed number of workers, or [min, max] for elastic training.
+    num_workers: Union[int, tuple[int, int]] = 2
+    # auto: GPUs when the cluster has any.
+    use_gpu: Union[bool, Literal["auto"]] = "auto"
+    cpus_per_worker: float = Field(1.0, gt=0)
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, value):
+        low, high = (value, value) if isinstance(value, int) else value
+        if low < 1 or high < low:
+            raise ValueError("must be a positive int, or [min, max] with 1 <= min <= max")
+        return value
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+
+class FailureConfig(_Section):
+    # Worker or node failures the run survives (restarting from the latest checkpoint).
+    max_failures: int = Field(3, ge=-1)
+    # Spot preemptions have their own budget; -1 is unlimited.
+    max_preemption_failures: int = Field(-1, ge=-1)
+
+
+class CheckpointConfig(_Section):
+    # Local path or s3://bucket/prefix. Runs live in <storage_path>/<run name>.
+    storage_path: str = "runs"
+    every_n_steps: int = Field(100, ge=1)
+    # Keep this many checkpoints, the best by score_metric (the latest is always kept too).
+    keep: int = Field(2, ge=1)
+    score_metric: str = "val_loss"
+    score_mode: Literal["min", "max"] = "min"
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    # Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the base directory.
+    tracking_uri: Optional[str] = None
+    experiment: str = "training"
+    register_model: bool = True
+    # Registry name; default "<data.source>-<model.name>".
+    registered_model_name: Optional[str] = None
+
+
+class JobConfig(_Section):
+    # Run name: a run whose name exists in storage is resumed. Default: <config>-<timestamp>.
+    name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(max_steps=200))
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    failure: FailureConfig = Field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _builtin_options(self) -> "JobConfig":
+        # Built-in models and sources validate their options here, so a typo in
+        # model.options fails before anything starts, like any other key.
+        from training.models import validate_builtin_model_options
+        from training.data.sources import validate_builtin_source_options
+
+        validate_builtin_model_options(self.model.name, self.model.options)
+        validate_builtin_source_options(self.data.source, self.data.options)
+        if self.train.global_batch_size < self.scaling.max_workers:
+            raise ConfigError(f"train.global_batch_size ({self.train.global_batch_size}) must be at least "
+                              f"scaling.num_workers ({self.scaling.max_workers}): every worker needs samples")
+        return self
+
+
+# Fields that define what a run computes: resuming a run with any of them changed is refused.
+IDENTITY_FIELDS = ("seed", "model", "data.source", "data.options", "optim", "train.global_batch_size")
+
+
+def format_validation_error(error: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
+    lines = []
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"] if not str(part).startswith("function-after")]
+        path = ".".join(filter(None, [prefix, *loc])) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+            allowed = _allowed_keys(loc, root or JobConfig)
+            if allowed:
+                message += f"; allowed: {', '.join(allowed)}"
+        elif item["type"] == "value_error":
+            message = message.removeprefix("Value error, ")
+        elif item["type"] == "literal_error":
+            message = message.replace("Input should be", "must be")
+        lines.append(f"  {path}: {message}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: list[str], root: type[BaseModel]) -> list[str]:
+    model: Any = root
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        for candidate in getattr(annotation, "__args__", (annotation,)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+        else:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, such as --set train.max_steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({exc})") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides to a raw config mapping (values parsed as YAML)."""
+    result = _deep_copy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = result
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                dotted = ".".join(path[: depth + 1])
+                raise ConfigError(f"--set {text!r}: {dotted} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return result
+
+
+def _deep_copy(value):
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def validate(raw: Any, source: str = "config") -> JobConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{source} is invalid:\n  {exc}") from None
+
+
+def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[str] = None) -> JobConfig:
+    """Read a YAML job config, apply `--set` overrides and `--name`, and validate it."""
+    raw: Any = {}
+    source = "config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; shipped examples are in training/configs/")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = apply_overrides(raw, list(overrides))
+    if name is not None:
+        raw["name"] = name
+    return validate(raw, source)
+
+
+def to_yaml(config: JobConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(config: JobConfig) -> dict[str, str]:
+    """The config as dotted keys, for MLflow params."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        else:
+            flat[prefix] = "null" if value is None else str(value)
+
+    walk("", config.model_dump(mode="json"))
+    return flat
+
+
+def identity_of(config: JobConfig) -> dict[str, Any]:
+    dumped = config.model_dump(mode="json")
+    identity = {}
+    for dotted in IDENTITY_FIELDS:
+        node = dumped
+        for part in dotted.split("."):
+            node = node[part]
+        identity[dotted] = node
+    return identity

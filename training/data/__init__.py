@@ -1,0 +1,1 @@
+"""Data: sources -> Parquet shards with a manifest -> each worker's share of every global batch."""

@@ -1,0 +1,100 @@
+"""Each worker's share of each global batch, in an order that is a pure function of (seed, epoch).
+
+The sample order never depends on the world size: global batch `j` of epoch `e` is always
+`epoch_order(seed, e, n)[j * B:(j + 1) * B]`. A worker of rank r in a group of W takes the r-th of
+W near-equal contiguous parts of it. So a run that shrinks from 4 workers to 2 still sees the same
+sequence of global batches, and a run resumed at step s reads exactly what it would have read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.dataset as pads
+import torch
+
+from training import storage
+from training.data.prepare import Manifest
+
+
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_rows)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is divided across workers and micro-batches."""
+
+    global_batch_size: int
+    world_size: int
+    rank: int
+    micro_batch_size: int | None = None
+
+    def rank_part(self, global_batch: np.ndarray) -> np.ndarray:
+        return np.array_split(global_batch, self.world_size)[self.rank]
+
+    def micro_batches(self, part_size: int) -> list[slice]:
+        size = self.micro_batch_size or max(part_size, 1)
+        return [slice(start, min(start + size, part_size)) for start in range(0, part_size, size)]
+
+    def steps_per_epoch(self, num_rows: int) -> int:
+        steps = num_rows // self.global_batch_size
+        if steps < 1:
+            raise ValueError(f"train.global_batch_size {self.global_batch_size} is larger than the "
+                             f"{num_rows} training rows")
+        return steps
+
+
+class SplitReader:
+    """Reads rows of one split by index from its Parquet shards (local or s3://)."""
+
+    def __init__(self, manifest: Manifest, split: str):
+        fs, _ = storage.filesystem(manifest.root)
+        paths = [storage.filesystem(uri)[1] for uri in manifest.shard_uris(split)]
+        self.dataset = pads.dataset(paths, filesystem=fs, format="parquet")
+        self.task = manifest.task
+        self.num_rows = manifest.rows(split)
+
+    def take(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        table = self.dataset.take(np.asarray(indices, dtype=np.int64))
+        if self.task == "classification":
+            column = table.column("x").combine_chunks()
+            width = column.type.list_size
+            x = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+            return {"x": torch.from_numpy(np.array(x, dtype=np.float32)),
+                    "y": torch.from_numpy(table.column("y").to_numpy().astype(np.int64))}
+        column = table.column("tokens").combine_chunks()
+        tokens = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
+        return {"tokens": torch.from_numpy(tokens.astype(np.int64))}
+
+
+class TrainShard:
+    """One worker's rows for one epoch, read once, handed out step by step."""
+
+    def __init__(self, reader: SplitReader, plan: BatchPlan, seed: int):
+        self.reader, self.plan, self.seed = reader, plan, seed
+        self.steps_per_epoch = plan.steps_per_epoch(reader.num_rows)
+        self._epoch: int | None = None
+
+    def _load_epoch(self, epoch: int, first_position: int) -> None:
+        order = epoch_order(self.seed, epoch, self.reader.num_rows)
+        B = self.plan.global_batch_size
+        parts = [self.plan.rank_part(order[j * B:(j + 1) * B]) for j in range(first_position, self.steps_per_epoch)]
+        self._offsets = np.cumsum([0] + [len(p) for p in parts])
+        self._rows = self.reader.take(np.concatenate(parts))
+        self._epoch, self._first = epoch, first_position
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """This worker's part of global batch number `step` (counted from the start of the run)."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch or position < self._first:
+            self._load_epoch(epoch, position)
+        k = position - self._first
+        start, stop = self._offsets[k], self._offsets[k + 1]
+        return {name: column[start:stop] for name, column in self._rows.items()}
+
+
+def validation_part(reader: SplitReader, world_size: int, rank: int) -> dict[str, torch.Tensor]:
+    indices = np.array_split(np.arange(reader.num_rows), world_size)[rank]
+    return reader.take(indices)

@@ -1,0 +1,213 @@
+"""Data sources: the built-in `digits` and `tinylm`, and user plug-ins by import string.
+
+A source yields a train and a validation split as Arrow tables in one of two shapes (the task):
+- classification: column `x` (a fixed-length list of float32 features) and `y` (int64 label);
+- language_model: column `tokens` (a fixed-length list of int32 token ids, seq_len + 1 long).
+
+Plug-in contract: `def my_source(**options) -> {"train": table, "validation": table}` where each
+table is a `pyarrow.Table` or a mapping of column name to array (numpy arrays work) in one of the
+shapes above. Options come from `data.options` in the job config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from training.errors import ConfigError, UserError
+from training.plugins import is_import_string, load_callable
+
+Task = Literal["classification", "language_model"]
+SPLITS = ("train", "validation")
+
+
+@dataclass(frozen=True)
+class SourceData:
+    task: Task
+    splits: dict[str, pa.Table]
+    # What the model needs to know about the data: input_dim, num_classes, vocab_size, seq_len.
+    spec: dict[str, int]
+    # Digest of the source's content: prepared data is rebuilt only when it changes.
+    content_digest: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DigitsOptions(_Options):
+    val_fraction: float = Field(0.2, gt=0, lt=1)
+    split_seed: int = 0
+
+
+class TinyLMOptions(_Options):
+    # Tokens per training sequence (bytes: the tokenizer is byte-level, vocabulary 256).
+    seq_len: int = Field(128, ge=8, le=8192)
+    # How much of the standard library's source to use, in bytes.
+    max_bytes: int = Field(1_000_000, ge=10_000)
+    # One file in every `val_every_n_files` goes to validation (split by file: no leakage).
+    val_every_n_files: int = Field(20, ge=2)
+    file_order_seed: int = 0
+
+
+def _digits(options: DigitsOptions) -> SourceData:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    features = (bunch.data / 16.0).astype(np.float32)
+    labels = bunch.target.astype(np.int64)
+    order = np.random.default_rng(options.split_seed).permutation(len(labels))
+    n_val = int(round(len(labels) * options.val_fraction))
+    parts = {"validation": order[:n_val], "train": order[n_val:]}
+    splits = {name: classification_table(features[idx], labels[idx]) for name, idx in parts.items()}
+    digest = hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest()
+    spec = {"input_dim": features.shape[1], "num_classes": int(labels.max()) + 1}
+    return SourceData("classification", splits, spec, digest)
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's .py files, found at run time, site-packages left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _tinylm(options: TinyLMOptions) -> SourceData:
+    files = stdlib_source_files()
+    random.Random(options.file_order_seed).shuffle(files)
+    streams: dict[str, list[bytes]] = {"train": [], "validation": []}
+    hasher = hashlib.sha256()
+    total = 0
+    for index, path in enumerate(files):
+        if total >= options.max_bytes:
+            break
+        try:
+            content = path.read_bytes()
+        except OSError:
+            continue
+        content = content[: options.max_bytes - total]
+        hasher.update(path.name.encode() + b"\0" + content)
+        split = "validation" if index % options.val_every_n_files == options.val_every_n_files - 1 else "train"
+        streams[split].append(content + b"\n\n")
+        total += len(content)
+    if not streams["train"]:
+        raise UserError(f"tinylm found no Python source files under {sysconfig.get_paths()['stdlib']}")
+    width = options.seq_len + 1
+    splits = {}
+    for name, chunks in streams.items():
+        data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        rows = max(len(data) // width, 1 if name == "validation" else 0)
+        if len(data) < width:  # a tiny validation stream: pad by repeating
+            data = np.resize(data, width)
+        splits[name] = token_table(data[: rows * width].reshape(rows, width).astype(np.int32))
+    spec = {"vocab_size": 256, "seq_len": options.seq_len}
+    info = {"files": len(files), "bytes": total}
+    return SourceData("language_model", splits, spec, hasher.hexdigest(), info)
+
+
+BUILTIN_SOURCES = {"digits": (DigitsOptions, _digits), "tinylm": (TinyLMOptions, _tinylm)}
+
+
+def validate_builtin_source_options(source: str, options: dict) -> None:
+    if is_import_string(source):
+        return
+    if source not in BUILTIN_SOURCES:
+        raise ConfigError(
+            f"data.source: unknown source {source!r}; built-in: {', '.join(BUILTIN_SOURCES)}, "
+            "or a plug-in 'package.module:function'"
+        )
+    options_type, _ = BUILTIN_SOURCES[source]
+    try:
+        options_type.model_validate(options)
+    except ValidationError as exc:
+        from training.config import format_validation_error
+
+        raise ConfigError(format_validation_error(exc, "data.options", options_type).strip()) from None
+
+
+def load_source(source: str, options: dict) -> SourceData:
+    if not is_import_string(source):
+        options_type, build = BUILTIN_SOURCES[source]
+        return build(options_type.model_validate(options))
+    function = load_callable(source, "data.source")
+    try:
+        result = function(**options)
+    except TypeError as exc:
+        raise UserError(f"data.source {source} rejected data.options {options}: {exc}") from None
+    if not isinstance(result, dict) or set(result) != set(SPLITS):
+        raise UserError(f"data.source {source} must return a dict with keys 'train' and 'validation'")
+    splits = {name: normalize_table(result[name], f"{source} split {name!r}") for name in SPLITS}
+    task = _task_of(splits["train"])
+    if _task_of(splits["validation"]) != task:
+        raise UserError(f"data.source {source}: train and validation splits have different columns")
+    hasher = hashlib.sha256()
+    for name in SPLITS:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, splits[name].schema) as writer:
+            writer.write_table(splits[name])
+        hasher.update(sink.getvalue().to_pybytes())
+    if task == "classification":
+        labels = pa.concat_arrays([splits[n].column("y").combine_chunks() for n in SPLITS]).to_numpy()
+        spec = {"input_dim": splits["train"].schema.field("x").type.list_size,
+                "num_classes": int(labels.max()) + 1}
+    else:
+        tokens = splits["train"].column("tokens").combine_chunks()
+        spec = {"vocab_size": int(options.get("vocab_size", int(pa.compute.max(tokens.flatten()).as_py()) + 1)),
+                "seq_len": splits["train"].schema.field("tokens").type.list_size - 1}
+    return SourceData(task, splits, spec, hasher.hexdigest())
+
+
+def _task_of(table: pa.Table) -> Task:
+    names = set(table.column_names)
+    if names == {"x", "y"}:
+        return "classification"
+    if names == {"tokens"}:
+        return "language_model"
+    raise AssertionError(f"unexpected columns {names}")  # normalize_table guarantees one shape
+
+
+def classification_table(features: np.ndarray, labels: np.ndarray) -> pa.Table:
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    x = pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), features.shape[1])
+    return pa.table({"x": x, "y": pa.array(np.asarray(labels, dtype=np.int64))})
+
+
+def token_table(tokens: np.ndarray) -> pa.Table:
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), tokens.shape[1])})
+
+
+def normalize_table(value: Any, what: str) -> pa.Table:
+    """Accept a pyarrow Table or a mapping of columns; return one of the two fixed shapes."""
+    try:
+        table = value if isinstance(value, pa.Table) else pa.table(
+            {k: (list(v) if isinstance(v, np.ndarray) and v.ndim > 1 else v) for k, v in dict(value).items()})
+    except (TypeError, ValueError, pa.ArrowException) as exc:
+        raise UserError(f"{what}: not a table or a mapping of columns ({exc})") from None
+    names = set(table.column_names)
+    try:
+        if names == {"x", "y"}:
+            x = np.array(table.column("x").to_pylist(), dtype=np.float32)
+            if x.ndim != 2:
+                raise ValueError("x must be a list of equal-length feature vectors")
+            return classification_table(x, table.column("y").to_numpy())
+        if names == {"tokens"}:
+            tokens = np.array(table.column("tokens").to_pylist(), dtype=np.int64)
+            if tokens.ndim != 2 or tokens.shape[1] < 2 or tokens.min() < 0:
+                raise ValueError("tokens must be equal-length lists of at least 2 non-negative ids")
+            return token_table(tokens)
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        raise UserError(f"{what}: {exc}") from None
+    raise UserError(
+        f"{what}: columns {sorted(names)} match no task; use ['x', 'y'] (classification) or ['tokens'] "
+        "(language model)"
+    )

@@ -1,0 +1,116 @@
+"""After a run: the final model logged to MLflow (and registered), a learning-curve plot, a summary."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training import checkpoint as ckpt
+from training.config import JobConfig
+from training.data.loader import SplitReader
+from training.models import build_model
+from training.tasks import model_input
+
+CURVES = ("train_loss", "val_loss", "val_accuracy", "val_perplexity")
+
+
+def load_final_model(job: JobConfig, manifest, checkpoint) -> torch.nn.Module:
+    with checkpoint.as_directory() as directory:
+        state = ckpt.load(directory)
+    model = build_model(job.model.name, job.model.options, {"task": manifest.task, **manifest.spec})
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def registered_model_name(job: JobConfig) -> str:
+    if job.tracking.registered_model_name:
+        return job.tracking.registered_model_name
+    name = f"{job.data.source.split(':')[-1]}-{job.model.name.split(':')[-1]}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict:
+    import mlflow
+    import mlflow.pytorch
+    from mlflow.models import infer_signature
+
+    sample = model_input(manifest.task, SplitReader(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
+    with torch.no_grad():
+        output = model(sample).numpy()
+    signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
+    mlflow.set_tracking_uri(tracker.tracking_uri)
+    name = registered_model_name(job) if job.tracking.register_model else None
+    with mlflow.start_run(run_id=tracker.run_id):
+        info = mlflow.pytorch.log_model(
+            model, name="model", signature=signature, serialization_format="pickle",
+            code_paths=[str(Path(__file__).resolve().parent)], registered_model_name=name,
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    return {"model_uri": info.model_uri, "registered_model": name,
+            "registered_version": getattr(info, "registered_model_version", None)}
+
+
+def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    histories = {key: tracker.client.get_metric_history(tracker.run_id, key) for key in CURVES}
+    histories = {k: sorted(v, key=lambda m: m.step) for k, v in histories.items() if v}
+    if "train_loss" not in histories:
+        return False
+    extra = [k for k in ("val_accuracy", "val_perplexity") if k in histories]
+    fig, axes = plt.subplots(1, 1 + len(extra), figsize=(6 * (1 + len(extra)), 4), squeeze=False)
+    for key in ("train_loss", "val_loss"):
+        if key in histories:
+            axes[0][0].plot([m.step for m in histories[key]], [m.value for m in histories[key]], label=key)
+    axes[0][0].set(xlabel="step", ylabel="loss", title=f"{run_name}: loss")
+    axes[0][0].legend()
+    for axis, key in zip(axes[0][1:], extra):
+        axis.plot([m.step for m in histories[key]], [m.value for m in histories[key]], color="tab:green")
+        axis.set(xlabel="step", ylabel=key, title=key)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
+    if result.checkpoint is not None and tracker.run_id is not None:
+        model = load_final_model(job, manifest, result.checkpoint)
+        logged = log_model(job, manifest, model, tracker)
+        summary.registered_model = logged["registered_model"]
+        summary.extra.update(logged)
+        with tempfile.TemporaryDirectory() as tmp:
+            plot = Path(tmp) / "learning_curve.png"
+            if plot_learning_curves(tracker, summary.name, plot):
+                tracker.client.log_artifact(tracker.run_id, str(plot), "plots")
+            (Path(tmp) / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2, default=str))
+            tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "summary.json"))
+    for line in summary_lines(summary):
+        log(line)
+
+
+def summary_dict(summary) -> dict:
+    return {"name": summary.name, "steps": summary.steps, "wall_s": round(summary.wall_s, 1),
+            "resumed": summary.resumed, "metrics": summary.metrics, "checkpoint": summary.checkpoint_path,
+            "mlflow_run_id": summary.mlflow_run_id, **summary.extra}
+
+
+def summary_lines(summary) -> list[str]:
+    shown = {k: v for k, v in summary.metrics.items()
+             if k in ("train_loss", "val_loss", "val_accuracy", "val_perplexity", "samples_per_s")}
+    lines = [f"run {summary.name} finished: {summary.steps} steps in {summary.wall_s:.0f} s"
+             + (" (resumed)" if summary.resumed else ""),
+             "  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
+             f"  checkpoint: {summary.checkpoint_path}"]
+    if summary.mlflow_run_id:
+        lines.append(f"  MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}")
+    if summary.registered_model:
+        lines.append(f"  registered model: {summary.registered_model} version {summary.extra.get('registered_version')}")
+    return lines

@@ -1,0 +1,214 @@
+"""The per-worker training loop, run by Ray Train on every worker.
+
+build -> restore the latest checkpoint if there is one -> for each step: this worker's part of the
+global batch, forward, backward, optimizer step; every N steps: report, evaluate, checkpoint.
+Resume is the normal path: a fresh run is a resume from step 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+import time
+from contextlib import nullcontext
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from training import checkpoint as ckpt
+from training.config import JobConfig, OptimConfig
+from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
+from training.data.prepare import Manifest
+from training.models import build_model
+from training.tasks import forward_loss, units_per_sample, validation_metrics
+
+
+def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if optim.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=optim.lr, momentum=optim.momentum,
+                               weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def lr_factor(optim: OptimConfig, total_steps: int):
+    """Linear warmup, then cosine decay to min_lr_ratio: a pure function of the step."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
+
+    return factor
+
+
+def total_steps_of(job: JobConfig, steps_per_epoch: int) -> int:
+    if job.train.max_steps is not None:
+        return job.train.max_steps
+    return max(1, int(round(job.train.epochs * steps_per_epoch)))
+
+
+def _sum_across_workers(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _autocast(job: JobConfig, device: torch.device):
+    wants_bf16 = job.train.precision == "bf16" or (job.train.precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if wants_bf16 else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, device, autocast) -> dict:
+    model.eval()
+    loss_sum = units = correct = 0.0
+    count = next(iter(rows.values())).shape[0]
+    for start in range(0, count, batch_size):
+        batch = {k: v[start:start + batch_size].to(device) for k, v in rows.items()}
+        with autocast:
+            batch_loss, batch_units, batch_correct = forward_loss(task, model, batch)
+        loss_sum += batch_loss.item()
+        units += batch_units
+        correct += batch_correct.item()
+    model.train()
+    return validation_metrics(task, *_sum_across_workers([loss_sum, units, correct], device))
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    _quiet_report_logs()
+    job = JobConfig.model_validate(loop_config["job"])
+    manifest = Manifest.load(loop_config["manifest_root"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+    torch.set_num_threads(job.train.torch_threads or max(1, int(job.scaling.cpus_per_worker)))
+    autocast = _autocast(job, device)
+    task, spec = manifest.task, {"task": manifest.task, **manifest.spec}
+
+    plan = BatchPlan(job.train.global_batch_size, world_size, rank, job.train.micro_batch_size)
+    train_data = TrainShard(SplitReader(manifest, "train"), plan, job.seed)
+    val_rows = validation_part(SplitReader(manifest, "validation"), world_size, rank)
+    total_steps = total_steps_of(job, train_data.steps_per_epoch)
+    # Each worker's loss is scaled so that DDP's average over workers is the exact mean over the
+    # global batch, however unevenly it is divided: the same gradient at any world size.
+    loss_scale = world_size / (job.train.global_batch_size * units_per_sample(task, manifest.spec))
+
+    torch.manual_seed(job.seed)  # the same initial weights on every worker
+    model = build_model(job.model.name, job.model.options, spec).to(device)
+    optimizer = build_optimizer(job.optim, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(job.optim, total_steps))
+    loop = ckpt.LoopState()
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = ckpt.load(directory)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        loop = state["loop"]
+        if rank == 0:
+            print(f"resumed from step {loop.step} with {world_size} workers")
+
+    ddp_model = ray.train.torch.prepare_model(model)
+    is_ddp = ddp_model is not model
+    window_loss = window_units = window_steps = 0.0
+    window_start = time.perf_counter()
+    val_metrics: dict = {}
+
+    while loop.step < total_steps and not loop.stopped_early:
+        batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
+        torch.manual_seed(ckpt.step_seed(job.seed, loop.step, rank))  # dropout: a function of the step
+        micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
+        for index, part in enumerate(micro_batches):
+            sync = index == len(micro_batches) - 1
+            with (nullcontext() if sync or not is_ddp else ddp_model.no_sync()), autocast:
+                loss_sum, units, _ = forward_loss(task, ddp_model, {k: v[part] for k, v in batch.items()})
+            (loss_sum * loss_scale).backward()
+            window_loss += loss_sum.item()
+            window_units += units
+        if job.optim.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loop.step += 1
+        window_steps += 1
+
+        last = loop.step == total_steps
+        log_due = loop.step % job.train.log_every_n_steps == 0
+        checkpoint_due = loop.step % job.checkpoint.every_n_steps == 0 or last
+        eval_due = loop.step % job.train.eval_every_n_steps == 0 or checkpoint_due
+        if not (log_due or eval_due):
+            continue
+
+        # Rank 0's clock decides for all, through the same all-reduce that sums the losses,
+        # so every worker makes the same choice and calls report the same number of times.
+        elapsed = time.perf_counter() - window_start if rank == 0 else 0.0
+        loss_total, units_total, elapsed = _sum_across_workers([window_loss, window_units, elapsed], device)
+        if not eval_due and elapsed < job.train.min_report_interval_s:
+            continue
+        samples_per_s = window_steps * job.train.global_batch_size / elapsed
+        metrics = {"step": loop.step, "epoch": loop.step / train_data.steps_per_epoch,
+                   "train_loss": loss_total / units_total, "samples_per_s": samples_per_s,
+                   "lr": scheduler.get_last_lr()[0], "world_size": world_size, "total_steps": total_steps}
+        if task == "language_model":
+            metrics["tokens_per_s"] = samples_per_s * manifest.spec["seq_len"]
+        if eval_due:
+            val_metrics = evaluate(model, task, val_rows, job.train.micro_batch_size or 256, device, autocast)
+            _update_early_stopping(job, loop, val_metrics)
+            checkpoint_due = checkpoint_due or loop.stopped_early
+        metrics.update(val_metrics)
+
+        if checkpoint_due:
+            directory = tempfile.mkdtemp(prefix="ckpt-")
+            try:
+                if rank == 0:
+                    ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+                              scheduler_state=scheduler.state_dict(), loop=loop,
+                              config=job.model_dump(mode="json"), steps_per_epoch=train_data.steps_per_epoch,
+                              world_size=world_size, metrics=metrics)
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                                     checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step))
+                else:
+                    ray.train.report(metrics)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+        else:
+            ray.train.report(metrics)
+        window_loss = window_units = window_steps = 0.0
+        window_start = time.perf_counter()
+
+
+def _quiet_report_logs() -> None:
+    """Ray Train logs every report at INFO from a logger named after its file; keep those lines out
+    of the driver's output (the controller prints one progress line per report instead)."""
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+    except ImportError:
+        return
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+
+
+def _update_early_stopping(job: JobConfig, loop: ckpt.LoopState, val_metrics: dict) -> None:
+    rule = job.train.early_stopping
+    if rule is None:
+        return
+    if rule.metric not in val_metrics:
+        raise ValueError(f"train.early_stopping.metric {rule.metric!r} is not a validation metric; "
+                         f"have {sorted(val_metrics)}")
+    value = val_metrics[rule.metric]
+    better = loop.best_metric is None or (
+        value < loop.best_metric - rule.min_delta if rule.mode == "min" else value > loop.best_metric + rule.min_delta)
+    if better:
+        loop.best_metric, loop.evals_without_improvement = value, 0
+    else:
+        loop.evals_without_improvement += 1
+        loop.stopped_early = loop.evals_without_improvement >= rule.patience_evals

@@ -1,0 +1,67 @@
+"""A small decoder-only transformer (GPT-style) for byte-level language modelling."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+
+class GPTOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=8)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "GPTOptions":
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        return self
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attention.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, options: GPTOptions):
+        super().__init__()
+        self.seq_len = seq_len
+        self.token_embedding = nn.Embedding(vocab_size, options.d_model)
+        self.position_embedding = nn.Embedding(seq_len, options.d_model)
+        self.blocks = nn.ModuleList(Block(options.d_model, options.n_head, options.dropout)
+                                    for _ in range(options.n_layer))
+        self.ln_f = nn.LayerNorm(options.d_model)
+        self.head = nn.Linear(options.d_model, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_gpt(spec: dict, options: GPTOptions) -> nn.Module:
+    return GPT(spec["vocab_size"], spec["seq_len"], options)

@@ -1,0 +1,50 @@
+"""Plug-ins by import string: "package.module:function", importable from the working directory."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+from training.errors import UserError
+
+_IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def is_import_string(name: str) -> bool:
+    return ":" in name
+
+
+def load_callable(spec: str, field: str) -> Callable:
+    """Import `package.module:function`; a clear UserError naming `field` if it cannot be done."""
+    if not _IMPORT_STRING.match(spec):
+        raise UserError(f"{field}: {spec!r} is not an import string of the form 'package.module:function'")
+    module_name, attribute = spec.split(":")
+    if "" not in sys.path:  # `python -m` and Ray job drivers import from the working directory
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{field}: cannot import module {module_name!r} ({exc}); "
+                        "is it on PYTHONPATH or in the working directory?") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise UserError(f"{field}: module {module_name!r} has no function {attribute!r}")
+    return function
+
+
+def plugin_module_paths(*specs: str) -> list[str]:
+    """Local source of the plug-ins named by `specs`, for Ray's `py_modules`: workers on any node
+    can then import them. Installed packages (site-packages) are left to the environment."""
+    paths = set()
+    for spec in specs:
+        if not is_import_string(spec):
+            continue
+        load_callable(spec, "plug-in")
+        top = importlib.import_module(spec.split(":")[0].split(".")[0])
+        location = list(top.__path__)[0] if hasattr(top, "__path__") else top.__file__
+        if location and not {"site-packages", "dist-packages"} & set(Path(location).parts):
+            paths.add(str(Path(location).resolve()))
+    return sorted(paths)

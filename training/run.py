@@ -1,0 +1,270 @@
+"""One training run from the driver: resolve paths, prepare data, open the MLflow run, start or
+join Ray, fit a TorchTrainer, then log the final model and a summary.
+
+Everything a user can get wrong is checked before Ray starts (UserError, exit code 2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from training import config as config_lib
+from training import storage
+from training.config import JobConfig
+from training.errors import ConfigError, RunFailed, UserError
+
+RUN_FILE = "run.json"
+VALIDATION_METRICS = {"classification": {"val_loss", "val_accuracy"},
+                      "language_model": {"val_loss", "val_perplexity", "val_token_accuracy"}}
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    base_dir: str
+    storage_path: str
+    run_dir: str
+    data_cache: str
+    tracking_uri: Optional[str]
+
+
+@dataclass
+class RunSummary:
+    name: str
+    run_dir: str
+    steps: int
+    metrics: dict
+    wall_s: float
+    resumed: bool
+    checkpoint_path: Optional[str] = None
+    mlflow_run_id: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    registered_model: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+
+def in_submitted_job() -> bool:
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def base_dir() -> str:
+    """Where relative paths (runs/, mlflow.db) live: $TRAINING_BASE_DIR, else the working directory;
+    in a submitted Ray job (whose working directory is a temporary copy) ~/training."""
+    if os.environ.get("TRAINING_BASE_DIR"):
+        return os.path.abspath(os.path.expanduser(os.environ["TRAINING_BASE_DIR"]))
+    if in_submitted_job():
+        return str(Path.home() / "training")
+    return os.getcwd()
+
+
+def resolve_paths(job: JobConfig, name: str) -> RunPaths:
+    base = base_dir()
+    storage_path = storage.absolute(job.checkpoint.storage_path, base)
+    tracking_uri = None
+    if job.tracking.enabled:
+        tracking_uri = job.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+        if tracking_uri.startswith("sqlite:///") and not tracking_uri.startswith("sqlite:////"):
+            tracking_uri = "sqlite:///" + os.path.join(base, tracking_uri[len("sqlite:///"):])
+    data_cache = storage.absolute(job.data.cache_dir, base) if job.data.cache_dir else storage.join(storage_path, "datasets")
+    return RunPaths(base, storage_path, storage.join(storage_path, name), data_cache, tracking_uri)
+
+
+def default_run_name(config_path: Optional[str]) -> str:
+    stem = Path(config_path).stem if config_path else "job"
+    return f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def check_storage(paths: RunPaths) -> None:
+    """Fail fast, before anything starts, if the storage path cannot be written."""
+    probe = storage.join(paths.storage_path, ".write-probe")
+    try:
+        storage.write_text(probe, "ok")
+        fs, path = storage.filesystem(probe)
+        fs.delete_file(path)
+    except Exception as exc:
+        raise UserError(f"checkpoint.storage_path {paths.storage_path} is not writable: {exc}") from None
+
+
+def read_run_record(paths: RunPaths) -> Optional[dict]:
+    record_uri = storage.join(paths.run_dir, RUN_FILE)
+    return json.loads(storage.read_text(record_uri)) if storage.exists(record_uri) else None
+
+
+def check_resumable(job: JobConfig, record: dict, name: str) -> None:
+    now = config_lib.identity_of(job)
+    changed = [key for key, value in now.items() if record["identity"].get(key) != value]
+    if changed:
+        raise ConfigError(
+            f"run {name!r} already exists with a different {', '.join(changed)}; resuming it would mix two "
+            "different runs. Use a new --name, or the original values to resume it.")
+
+
+def check_metric_names(job: JobConfig, task: str) -> None:
+    allowed = VALIDATION_METRICS[task]
+    for dotted, metric in (("checkpoint.score_metric", job.checkpoint.score_metric),
+                           ("train.early_stopping.metric",
+                            job.train.early_stopping.metric if job.train.early_stopping else None)):
+        if metric is not None and metric not in allowed:
+            raise ConfigError(f"{dotted}: {metric!r} is not a validation metric of {task} data; "
+                              f"allowed: {', '.join(sorted(allowed))}")
+
+
+def _check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
+    """Build the model on the meta device (no memory, any size): a plug-in that cannot be imported,
+    rejects its options or returns something else fails here, before anything starts."""
+    import torch
+
+    from training.models import build_model
+
+    with torch.device("meta"):
+        build_model(job.model.name, job.model.options, {"task": task, **spec})
+
+
+def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callable[[str], None] = print) -> RunSummary:
+    """Run (or resume) one training run to the end. Raises UserError before anything starts on bad
+    input and RunFailed if the run itself fails."""
+    from training.data.prepare import prepare
+    from training.models import check_model_fits_task
+
+    started = time.monotonic()
+    name = job.name or default_run_name(config_path)
+    job = job.model_copy(update={"name": name})
+    paths = resolve_paths(job, name)
+    record = read_run_record(paths)
+    if record is not None:
+        check_resumable(job, record, name)
+
+    def check(task: str, spec: dict, rows: dict) -> None:  # on the loaded data, before anything is written
+        check_model_fits_task(job.model.name, task)
+        _check_model_builds(job, task, spec)
+        check_metric_names(job, task)
+        if job.train.global_batch_size > rows["train"]:
+            raise ConfigError(f"train.global_batch_size {job.train.global_batch_size} is larger than the "
+                              f"{rows['train']} training rows")
+        check_storage(paths)
+
+    try:
+        manifest = prepare(job.data, paths.data_cache, log=log, check=check)
+    except ValueError as exc:
+        raise UserError(f"data ({job.data.source}): {exc}") from None
+
+    log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
+    tracker = _start_tracking(job, paths, record, name)
+    if record is None:
+        storage.write_text(storage.join(paths.run_dir, RUN_FILE), json.dumps({
+            "name": name, "identity": config_lib.identity_of(job), "created": time.time(),
+            "mlflow_run_id": tracker.run_id, "tracking_uri": paths.tracking_uri}, indent=2))
+        storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
+
+    try:
+        result = _fit(job, paths, manifest, tracker, name)
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    from training.finalize import finalize
+
+    summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(result.metrics.get("step", 0)),
+                         metrics=dict(result.metrics), wall_s=time.monotonic() - started, resumed=record is not None,
+                         checkpoint_path=result.checkpoint.path if result.checkpoint else None,
+                         mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri)
+    finalize(job, manifest, result, tracker, summary, log)
+    tracker.finish("FINISHED")
+    return summary
+
+
+def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str):
+    from training.tracking import MlflowTracker, NullTracker
+
+    if not job.tracking.enabled:
+        return NullTracker()
+    import ray
+    import torch
+
+    tags = {"training.run_name": name, "git_commit": git_commit(), "ray_version": ray.__version__,
+            "torch_version": torch.__version__, "world_size": str(job.scaling.num_workers),
+            "mlflow.runName": name}
+    run_id = record.get("mlflow_run_id") if record else None
+    if record and record.get("tracking_uri") not in (None, paths.tracking_uri):
+        raise ConfigError(f"run {name!r} is tracked at {record['tracking_uri']}, not {paths.tracking_uri}; "
+                          "set tracking.tracking_uri to the original to resume it")
+    try:
+        tracker = MlflowTracker.start(paths.tracking_uri, job.tracking.experiment, name, run_id, tags,
+                                      config_lib.flatten(job))
+    except Exception as exc:
+        raise UserError(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}") from None
+    tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
+    return tracker
+
+
+def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str):
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from training.callback import RunCallback
+    from training.loop import train_loop_per_worker
+    from training.plugins import plugin_module_paths
+
+    # The Train controller takes at most one report per worker per poll; poll more often than
+    # the default 2 s so that reports do not stall fast steps (read by the controller at start).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    started_ray = False
+    if not ray.is_initialized():
+        # Plug-in modules outside installed packages travel to every node with the job. (A submitted
+        # job ships them in its --working-dir.)
+        plugin_paths = [] if in_submitted_job() else plugin_module_paths(job.model.name, job.data.source)
+        started_ray = True  # shut down (or disconnect) when done
+        # Started locally, Ray includes the dashboard: it serves the state API that Ray Train's
+        # placement-group cleaner needs.
+        ray.init(log_to_driver=True, runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
+    try:
+        use_gpu = job.scaling.use_gpu
+        if use_gpu == "auto":
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        scaling = ray.train.ScalingConfig(
+            num_workers=job.scaling.num_workers if isinstance(job.scaling.num_workers, int)
+            else tuple(job.scaling.num_workers),
+            use_gpu=use_gpu, resources_per_worker={"CPU": job.scaling.cpus_per_worker, **job.scaling.resources_per_worker,
+                                                   **({"GPU": 1} if use_gpu else {})})
+        run_config = ray.train.RunConfig(
+            name=name, storage_path=paths.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=job.failure.max_failures,
+                                                   max_preemption_failures=job.failure.max_preemption_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep,
+                                                         checkpoint_score_attribute=job.checkpoint.score_metric,
+                                                         checkpoint_score_order=job.checkpoint.score_mode),
+            callbacks=[RunCallback(tracker)], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
+        trainer = TorchTrainer(train_loop_per_worker,
+                               train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root},
+                               scaling_config=scaling, run_config=run_config)
+        try:
+            return trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            raise RunFailed(f"training run {name} failed: {_root_cause(exc)}") from exc
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _root_cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    tail = [line for line in text if line.strip()][-1:] or [type(exc).__name__]
+    return tail[0][:500]
