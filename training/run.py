@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -234,7 +235,9 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str):
         started_ray = True  # shut down (or disconnect) when done
         # Started locally, Ray includes the dashboard: it serves the state API that Ray Train's
         # placement-group cleaner needs.
-        ray.init(log_to_driver=True, runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
+        address = None if os.environ.get("RAY_ADDRESS") else (live_local_cluster() or "local")
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
     try:
         use_gpu = job.scaling.use_gpu
         if use_gpu == "auto":
@@ -262,6 +265,23 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str):
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def live_local_cluster() -> Optional[str]:
+    """The address of a cluster started on this machine with `ray start`, if it is alive. Ray would
+    otherwise wait on the address a dead cluster left in /tmp/ray/ray_current_cluster."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        address = get_ray_address_from_environment(None, None)
+    except Exception:  # none recorded (or Ray's private helper moved): start a local cluster
+        return None
+    host, _, port = (address or "").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return None
+    return address
 
 
 def _root_cause(exc: BaseException) -> str:
