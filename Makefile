@@ -30,6 +30,9 @@ run: setup
 test: setup
 	$(PY) -m pytest $(ARGS)
 
+bench: setup
+	$(PY) -m bench $(ARGS)
+
 test-unit: setup
 	$(PY) -m pytest -m "not ray" $(ARGS)
 

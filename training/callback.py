@@ -13,7 +13,7 @@ import ray.train
 
 from training.tracking import NullTracker
 
-_SKIP = {"step", "total_steps"}
+_SKIP = {"step", "total_steps", "worker_start_time", "first_step_time"}
 
 
 def progress_line(metrics: dict, eta_s: float | None) -> str:

@@ -122,6 +122,9 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1)
     score_metric: str = "val_loss"
     score_mode: Literal["min", "max"] = "min"
+    # sync: training waits while a checkpoint is copied to storage; async: training goes on and
+    # Ray Train uploads in the background (the checkpoint counts once uploaded).
+    upload: Literal["sync", "async"] = "sync"
 
 
 class TrackingConfig(_Section):

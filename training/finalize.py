@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from training import checkpoint as ckpt
+from training import storage
 from training.config import JobConfig
 from training.data.loader import SplitReader
 from training.models import build_model
@@ -92,6 +93,9 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
                 tracker.client.log_artifact(tracker.run_id, str(plot), "plots")
             (Path(tmp) / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2, default=str))
             tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "summary.json"))
+    # A machine-readable result next to the checkpoints, with or without tracking.
+    storage.write_text(storage.join(summary.run_dir, "summary.json"),
+                       json.dumps(summary_dict(summary), indent=2, default=str))
     for line in summary_lines(summary):
         log(line)
 

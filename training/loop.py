@@ -13,9 +13,11 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import ray.train
 import ray.train.torch
+from ray.train import CheckpointUploadMode
 import torch
 import torch.distributed as dist
 
@@ -83,6 +85,7 @@ def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, d
 
 def train_loop_per_worker(loop_config: dict) -> None:
     _quiet_report_logs()
+    worker_start = time.time()
     job = JobConfig.model_validate(loop_config["job"])
     manifest = Manifest.load(loop_config["manifest_root"])
     context = ray.train.get_context()
@@ -122,6 +125,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     window_loss = window_units = window_steps = 0.0
     window_start = time.perf_counter()
     val_metrics: dict = {}
+    first_step_done = None
+    checkpoint_cost: dict = {}
 
     while loop.step < total_steps and not loop.stopped_early:
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
@@ -141,6 +146,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
         loop.step += 1
         window_steps += 1
+        if first_step_done is None:
+            first_step_done = time.time()
 
         last = loop.step == total_steps
         log_due = loop.step % job.train.log_every_n_steps == 0
@@ -158,7 +165,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         samples_per_s = window_steps * job.train.global_batch_size / elapsed
         metrics = {"step": loop.step, "epoch": loop.step / train_data.steps_per_epoch,
                    "train_loss": loss_total / units_total, "samples_per_s": samples_per_s,
-                   "lr": scheduler.get_last_lr()[0], "world_size": world_size, "total_steps": total_steps}
+                   "lr": scheduler.get_last_lr()[0], "world_size": world_size, "total_steps": total_steps,
+                   # wall clock (rank 0) for throughput over any span, and when this worker group
+                   # started and finished its first step (cold start, recovery time)
+                   "wall_time": time.time(), "worker_start_time": worker_start,
+                   "first_step_time": first_step_done}
         if task == "language_model":
             metrics["tokens_per_s"] = samples_per_s * manifest.spec["seq_len"]
         if eval_due:
@@ -167,20 +178,28 @@ def train_loop_per_worker(loop_config: dict) -> None:
             checkpoint_due = checkpoint_due or loop.stopped_early
         metrics.update(val_metrics)
 
-        if checkpoint_due:
-            directory = tempfile.mkdtemp(prefix="ckpt-")
+        metrics.update(checkpoint_cost)
+        if checkpoint_due and rank == 0:
+            save_start = time.perf_counter()
+            directory = tempfile.mkdtemp(prefix="ckpt-")  # outlives an asynchronous upload
+            ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+                      scheduler_state=scheduler.state_dict(), loop=loop, config=job.model_dump(mode="json"),
+                      steps_per_epoch=train_data.steps_per_epoch, world_size=world_size, metrics=metrics)
+            asynchronous = job.checkpoint.upload == "async"
+            saved_s = time.perf_counter() - save_start
+            size = sum(f.stat().st_size for f in Path(directory).iterdir())
             try:
-                if rank == 0:
-                    ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-                              scheduler_state=scheduler.state_dict(), loop=loop,
-                              config=job.model_dump(mode="json"), steps_per_epoch=train_data.steps_per_epoch,
-                              world_size=world_size, metrics=metrics)
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                                     checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step))
-                else:
-                    ray.train.report(metrics)
+                ray.train.report(
+                    metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                    checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step),
+                    checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
+                    delete_local_checkpoint_after_upload=asynchronous)
             finally:
-                shutil.rmtree(directory, ignore_errors=True)
+                if not asynchronous:
+                    shutil.rmtree(directory, ignore_errors=True)
+            # What the last checkpoint cost the training loop, reported with the next metrics.
+            checkpoint_cost = {"checkpoint_bytes": size, "checkpoint_save_s": saved_s,
+                               "checkpoint_blocking_s": time.perf_counter() - save_start}
         else:
             ray.train.report(metrics)
         window_loss = window_units = window_steps = 0.0

@@ -143,6 +143,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     from training.models import check_model_fits_task
 
     started = time.monotonic()
+    timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
     name = job.name or default_run_name(config_path)
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
@@ -163,9 +164,11 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         manifest = prepare(job.data, paths.data_cache, log=log, check=check)
     except ValueError as exc:
         raise UserError(f"data ({job.data.source}): {exc}") from None
+    timings["data_ready"] = time.time()
 
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
     tracker = _start_tracking(job, paths, record, name)
+    timings["tracking_ready"] = time.time()
     if record is None:
         storage.write_text(storage.join(paths.run_dir, RUN_FILE), json.dumps({
             "name": name, "identity": config_lib.identity_of(job), "created": time.time(),
@@ -173,7 +176,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
 
     try:
-        result = _fit(job, paths, manifest, tracker, name)
+        result = _fit(job, paths, manifest, tracker, name, timings)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
@@ -185,7 +188,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(result.metrics.get("step", 0)),
                          metrics=dict(result.metrics), wall_s=time.monotonic() - started, resumed=record is not None,
                          checkpoint_path=result.checkpoint.path if result.checkpoint else None,
-                         mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri)
+                         mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri,
+                         extra={"timings": {**timings, "fit_done": time.time(),
+                                            "worker_start": result.metrics.get("worker_start_time"),
+                                            "first_step": result.metrics.get("first_step_time")}})
     finalize(job, manifest, result, tracker, summary, log)
     tracker.finish("FINISHED")
     return summary
@@ -215,7 +221,7 @@ def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], nam
     return tracker
 
 
-def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str):
+def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings: dict):
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -238,6 +244,7 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str):
         address = None if os.environ.get("RAY_ADDRESS") else (live_local_cluster() or "local")
         ray.init(address=address, log_to_driver=True,
                  runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
+    timings["ray_ready"] = time.time()
     try:
         use_gpu = job.scaling.use_gpu
         if use_gpu == "auto":

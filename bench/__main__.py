@@ -1,0 +1,79 @@
+"""`python -m bench [--quick]`: every benchmark row in one run, written to bench/results.json and
+bench/results.md (and, for a full run, the table in README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from bench import rows
+from bench.common import REPO, machine
+from bench.report import markdown, update_readme
+
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "gpu")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a few steps per row: checks the harness, not the numbers")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--out", default=str(REPO / "bench"), help="folder for results.json and results.md")
+    args = p.parse_args(argv)
+    wanted = args.rows.split(",")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {}}
+    with tempfile.TemporaryDirectory() as base:
+        if "cold_start" in wanted:  # first: it starts its own Ray, and must find none running
+            results["rows"]["cold_start"] = rows.cold_start(args.quick)
+        import ray
+
+        os.environ["TRAINING_BASE_DIR"] = base
+        ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=False)
+        try:
+            if "overhead" in wanted:
+                results["rows"]["overhead"] = rows.overhead(args.quick)
+            if "checkpoint" in wanted:
+                results["rows"]["checkpoint"] = rows.checkpoint_cost(args.quick)
+            if "data_path" in wanted:
+                rates = {task: results["rows"].get("overhead", {}).get(f"{task}_2w", {}).get("service_samples_per_s", 0)
+                         for task in rows.TASKS}
+                results["rows"]["data_path"] = rows.data_path(args.quick, rates)
+            if "gpu" in wanted:
+                results["rows"]["gpu"] = rows.gpu(args.quick)
+        finally:
+            ray.shutdown()
+    for pending in ("recovery", "sweep"):
+        if pending in wanted:
+            results["rows"][pending] = {"skipped": "measured once the fault-tolerance and tuning features land"}
+    results["ratios"] = ratios(results["rows"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    table = markdown(results)
+    (out / "results.md").write_text(table)
+    print(table)
+    if not args.quick and out.resolve() == (REPO / "bench").resolve():
+        update_readme(REPO / "README.md", table)
+    return 0
+
+
+def ratios(rows_: dict) -> dict:
+    found = {}
+    for key, value in rows_.get("overhead", {}).items():
+        found[f"overhead_ratio_{key}"] = value["overhead_ratio"]
+    if "checkpoint" in rows_:
+        for key in ("sync_step_overhead", "async_step_overhead", "write_throughput_ratio"):
+            found[f"checkpoint_{key}"] = rows_["checkpoint"][key]
+    for task, value in rows_.get("data_path", {}).items():
+        found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]
+        if value["loader_vs_training_consumption"] is not None:
+            found[f"data_loader_vs_training_{task}"] = value["loader_vs_training_consumption"]
+    return found
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

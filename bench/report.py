@@ -1,0 +1,58 @@
+"""The benchmark table in Markdown, and its copy in README.md between two markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def _f(value, digits=2):
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    m, r = results["machine"], results["rows"]
+    lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
+             f"{m['cpu'] or 'unknown CPU'}, {m['cores']} cores, torch {m['torch']}, Ray {m['ray']}, Python {m['python']}"
+             f"{', ' + m['cuda'] if m.get('cuda') else ''}.", "",
+             "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
+    for key, v in r.get("overhead", {}).items():
+        lines.append(f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "
+                     f"| **{v['overhead_ratio']:.3f}** | steady-state samples/s (first 20% of {v['steps']} steps "
+                     f"excluded), service on Ray Train vs {v['baseline']}, same model, data, batch, threads |")
+    if "cold_start" in r:
+        c = r["cold_start"]
+        lines.append(f"| cold start | {c['command_to_first_step_s']:.1f} s to first step | — | `python -m training` "
+                     f"starting its own Ray: python+config+data {c['python_config_and_data_s']:.1f} s, tracking "
+                     f"{c['tracking_s']:.1f} s, Ray start {c['ray_start_s']:.1f} s, worker group "
+                     f"{c['worker_group_start_s']:.1f} s, first step {c['first_step_s']:.1f} s |")
+    if "checkpoint" in r:
+        c = r["checkpoint"]
+        lines.append(f"| checkpoint stall | sync {100 * c['sync_step_overhead']:.1f}%, async "
+                     f"{100 * c['async_step_overhead']:.1f}% of throughput | — | tinylm 3.2M params, "
+                     f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint |")
+        lines.append(f"| checkpoint write | {c['checkpoint_write_mb_per_s']:.0f} MB/s vs disk {c['disk_write_mb_per_s']:.0f} MB/s "
+                     f"| **{c['write_throughput_ratio']:.2f}** | serialize + copy to storage (blocking time of a sync "
+                     f"checkpoint) vs raw write+fsync of the same bytes |")
+    for task, v in r.get("data_path", {}).items():
+        lines.append(f"| data path {task} | {v['loader_rows_per_s_per_worker']:.0f} rows/s per worker vs raw read "
+                     f"{v['raw_parquet_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw; "
+                     f"{_f(v['loader_vs_training_consumption'], 0)}x training's need | Parquet -> this worker's "
+                     f"tensor batches for an epoch vs `pyarrow.parquet.read_table` of the same files |")
+    for name in ("recovery", "sweep", "gpu"):
+        v = r.get(name)
+        if v and "skipped" in v:
+            lines.append(f"| {name} | skipped | — | {v['skipped']} |")
+        elif v:
+            lines.append(f"| {name} | {v} | — | |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    if START not in text or END not in text:
+        return
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{table}{END}{tail}")

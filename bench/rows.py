@@ -1,0 +1,175 @@
+"""The benchmark rows. Each returns a dict: measured values, and ratios against a baseline measured
+in the same run (never absolute timings to compare across machines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from bench.common import (CONFIGS, REPO, median, run_baseline, run_service, service_job,
+                          steady_samples_per_s)
+
+# task -> (config, model options used by both the service and the baseline)
+TASKS = {
+    "digits": ("digits.yaml", {"hidden": [256, 128], "dropout": 0.1}),
+    "tinylm": ("tinylm.yaml", {"n_layer": 2, "n_head": 4, "d_model": 128, "dropout": 0.0}),
+}
+
+
+def _throughput_overrides(steps: int, workers: int) -> list[str]:
+    # Evaluate and checkpoint only at the end, so that both sides do the same work per step.
+    return [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps}", f"checkpoint.every_n_steps={steps}",
+            f"scaling.num_workers={workers}", "scaling.cpus_per_worker=1", "train.torch_threads=1",
+            "tracking.register_model=false"]
+
+
+def overhead(quick: bool) -> dict:
+    """Service loop on Ray Train vs plain torchrun DDP (and 1 worker vs a plain loop)."""
+    from training.data.prepare import prepare
+
+    steps = {"digits": 40 if quick else 800, "tinylm": 12 if quick else 150}
+    repeats = 1 if quick else 2
+    row = {}
+    for task, (config, model_options) in TASKS.items():
+        for workers in (2, 1):
+            n = steps[task]
+            warmup = max(2, n // 5)
+            service, baseline = [], []
+            for repeat in range(repeats):
+                job = service_job(config, _throughput_overrides(n, workers), f"overhead-{task}-{workers}-{repeat}")
+                summary, history = run_service(job)
+                service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
+                manifest = prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None)
+                baseline.append(run_baseline(manifest.root, job.model.name, model_options, n, warmup,
+                                             job.train.global_batch_size, workers))
+            key = f"{task}_{workers}w"
+            row[key] = {"service_samples_per_s": median(service), "baseline_samples_per_s": median(baseline),
+                        "overhead_ratio": median(service) / median(baseline), "steps": n,
+                        "baseline": "torchrun DDP (gloo)" if workers > 1 else "plain single-process loop"}
+    return row
+
+
+def cold_start(quick: bool) -> dict:
+    """Command -> first training step, in phases, for `python -m training` starting its own Ray."""
+    with tempfile.TemporaryDirectory() as base:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["TRAINING_BASE_DIR"] = base
+        started = time.time()
+        subprocess.run([sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "cold",
+                        "--set", "train.max_steps=20", "--set", "tracking.enabled=false"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=True)
+        t = json.loads(Path(base, "runs", "cold", "summary.json").read_text())["timings"]
+    phases = {"python_config_and_data_s": t["data_ready"] - started, "tracking_s": t["tracking_ready"] - t["data_ready"],
+              "ray_start_s": t["ray_ready"] - t["tracking_ready"], "worker_group_start_s": t["worker_start"] - t["ray_ready"],
+              "first_step_s": t["first_step"] - t["worker_start"]}
+    return {**{k: round(v, 2) for k, v in phases.items()}, "command_to_first_step_s": round(t["first_step"] - started, 2)}
+
+
+def checkpoint_cost(quick: bool) -> dict:
+    """Step-time overhead of checkpointing (sync vs async upload) and write throughput vs the disk."""
+    model = "{n_layer: 4, n_head: 4, d_model: 256}"
+    steps, every = (12, 4) if quick else (120, 20)
+    warmup = steps // 5
+    results = {}
+    for mode in ("none", "sync", "async"):
+        overrides = _throughput_overrides(steps, 2) + [f"model.options={model}",
+                                                        f"checkpoint.every_n_steps={steps if mode == 'none' else every}",
+                                                        f"checkpoint.upload={'sync' if mode == 'none' else mode}",
+                                                        "checkpoint.keep=1", "train.min_report_interval_s=0"]
+        job = service_job("tinylm.yaml", overrides, f"ckpt-{mode}")
+        summary, history = run_service(job)
+        results[mode] = {"samples_per_s": steady_samples_per_s(history, warmup, job.train.global_batch_size),
+                         "metrics": summary.metrics, "run_dir": summary.run_dir}
+    sync = results["sync"]["metrics"]
+    size = sync["checkpoint_bytes"]
+    disk = raw_disk_write_bytes_per_s(Path(results["sync"]["run_dir"]), size)
+    return {"checkpoint_mb": round(size / 1e6, 1), "every_n_steps": every,
+            "sync_step_overhead": 1 - results["sync"]["samples_per_s"] / results["none"]["samples_per_s"],
+            "async_step_overhead": 1 - results["async"]["samples_per_s"] / results["none"]["samples_per_s"],
+            "sync_blocking_s": sync["checkpoint_blocking_s"], "save_s": sync["checkpoint_save_s"],
+            "checkpoint_write_mb_per_s": size / sync["checkpoint_blocking_s"] / 1e6,
+            "disk_write_mb_per_s": disk / 1e6,
+            "write_throughput_ratio": (size / sync["checkpoint_blocking_s"]) / disk}
+
+
+def raw_disk_write_bytes_per_s(directory: Path, size: int) -> float:
+    """The physical limit: write `size` bytes and fsync, in the same directory, best of three."""
+    payload = os.urandom(min(size, 64 << 20))
+    best = 0.0
+    for attempt in range(3):
+        path = directory / f".disk-probe-{attempt}"
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            written = 0
+            while written < size:
+                f.write(payload[: size - written])
+                written += min(len(payload), size - written)
+            f.flush()
+            os.fsync(f.fileno())
+        best = max(best, size / (time.perf_counter() - start))
+        path.unlink()
+    return best
+
+
+def data_path(quick: bool, train_rate: dict) -> dict:
+    """Parquet -> per-worker tensor batches vs a raw pyarrow read of the same files."""
+    from training.data.loader import BatchPlan, SplitReader, TrainShard
+    from training.data.prepare import prepare
+
+    row = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for task, (config, _) in TASKS.items():
+            job = service_job(config, [], "data")
+            manifest = prepare(job.data, cache, log=lambda _: None)
+            files = [u for u in manifest.shard_uris("train")]
+            raw, loader = [], []
+            for _ in range(1 if quick else 3):
+                start = time.perf_counter()
+                rows = pq.read_table(files).num_rows
+                raw.append(rows / (time.perf_counter() - start))
+                shard = TrainShard(SplitReader(manifest, "train"), BatchPlan(job.train.global_batch_size, 2, 0), job.seed)
+                start = time.perf_counter()
+                produced = sum(len(next(iter(shard.batch(s).values()))) for s in range(shard.steps_per_epoch))
+                loader.append(produced / (time.perf_counter() - start))
+            per_worker_training = train_rate.get(task, 0) / 2
+            row[task] = {"raw_parquet_rows_per_s": max(raw), "loader_rows_per_s_per_worker": max(loader),
+                         "loader_vs_raw_read": max(loader) / max(raw),
+                         "loader_vs_training_consumption": max(loader) / per_worker_training if per_worker_training else None}
+    return row
+
+
+# Dense bf16 peak FLOP/s by device name (vendor datasheets), for model FLOPs utilisation.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def gpu(quick: bool) -> dict:
+    """tinylm in bf16 on 1 GPU (and on all of them if more): tokens/s and MFU. CUDA machines only."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device on this machine"}
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    n_layer, d_model, seq_len, steps = 8, 512, 256, (20 if quick else 200)
+    row = {"device": name}
+    for workers in sorted({1, torch.cuda.device_count()}):
+        overrides = _throughput_overrides(steps, workers) + [
+            "scaling.use_gpu=true", "scaling.cpus_per_worker=1", "train.precision=bf16", "train.global_batch_size=64",
+            f"model.options={{n_layer: {n_layer}, n_head: 8, d_model: {d_model}}}",
+            f"data.options={{seq_len: {seq_len}, max_bytes: 4000000}}", "train.torch_threads=4"]
+        job = service_job("tinylm.yaml", overrides, f"gpu-{workers}")
+        summary, history = run_service(job)
+        tokens_per_s = steady_samples_per_s(history, steps // 5, 64) * seq_len
+        params = 12 * n_layer * d_model ** 2 + 256 * d_model + seq_len * d_model
+        flops_per_token = 6 * params + 12 * n_layer * d_model * seq_len  # weights + attention (PaLM appendix B)
+        row[f"{workers}_gpu"] = {"tokens_per_s": tokens_per_s,
+                                 "mfu": tokens_per_s * flops_per_token / (peak * workers) if peak else None}
+    return row
