@@ -24,9 +24,11 @@ TASKS = {
 }
 
 
-def _throughput_overrides(steps: int, workers: int) -> list[str]:
-    # Evaluate and checkpoint only at the end, so that both sides do the same work per step.
-    return [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps}", f"checkpoint.every_n_steps={steps}",
+def _throughput_overrides(steps: int, workers: int, quick: bool = False) -> list[str]:
+    # Evaluate and checkpoint only at the end, so that both sides do the same work per step. Quick
+    # runs are too short for the default report interval: report every few steps instead.
+    cadence = [f"train.log_every_n_steps={max(2, steps // 6)}", "train.min_report_interval_s=0"] if quick else []
+    return cadence + [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps}", f"checkpoint.every_n_steps={steps}",
             f"scaling.num_workers={workers}", "scaling.cpus_per_worker=1", "train.torch_threads=1",
             "tracking.register_model=false"]
 
@@ -35,7 +37,7 @@ def overhead(quick: bool) -> dict:
     """Service loop on Ray Train vs plain torchrun DDP (and 1 worker vs a plain loop)."""
     from training.data.prepare import prepare
 
-    steps = {"digits": 40 if quick else 800, "tinylm": 12 if quick else 150}
+    steps = {"digits": 40 if quick else 600, "tinylm": 12 if quick else 120}
     repeats = 1 if quick else 2
     row = {}
     for task, (config, model_options) in TASKS.items():
@@ -44,7 +46,7 @@ def overhead(quick: bool) -> dict:
             warmup = max(2, n // 5)
             service, baseline = [], []
             for repeat in range(repeats):
-                job = service_job(config, _throughput_overrides(n, workers), f"overhead-{task}-{workers}-{repeat}")
+                job = service_job(config, _throughput_overrides(n, workers, quick), f"overhead-{task}-{workers}-{repeat}")
                 summary, history = run_service(job)
                 service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
                 manifest = prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None)
@@ -60,8 +62,8 @@ def overhead(quick: bool) -> dict:
 def cold_start(quick: bool) -> dict:
     """Command -> first training step, in phases, for `python -m training` starting its own Ray."""
     with tempfile.TemporaryDirectory() as base:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env["TRAINING_BASE_DIR"] = base
+        # RAY_ADDRESS=local: start a new cluster even if another one runs on this machine.
+        env = {**os.environ, "RAY_ADDRESS": "local", "TRAINING_BASE_DIR": base}
         started = time.time()
         subprocess.run([sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "cold",
                         "--set", "train.max_steps=20", "--set", "tracking.enabled=false"],
@@ -80,10 +82,10 @@ def checkpoint_cost(quick: bool) -> dict:
     warmup = steps // 5
     results = {}
     for mode in ("none", "sync", "async"):
-        overrides = _throughput_overrides(steps, 2) + [f"model.options={model}",
+        overrides = _throughput_overrides(steps, 2, quick) + [f"model.options={model}",
                                                         f"checkpoint.every_n_steps={steps if mode == 'none' else every}",
                                                         f"checkpoint.upload={'sync' if mode == 'none' else mode}",
-                                                        "checkpoint.keep=1", "train.min_report_interval_s=0"]
+                                                        "checkpoint.keep=1"]
         job = service_job("tinylm.yaml", overrides, f"ckpt-{mode}")
         summary, history = run_service(job)
         results[mode] = {"samples_per_s": steady_samples_per_s(history, warmup, job.train.global_batch_size),
@@ -161,7 +163,7 @@ def gpu(quick: bool) -> dict:
     n_layer, d_model, seq_len, steps = 8, 512, 256, (20 if quick else 200)
     row = {"device": name}
     for workers in sorted({1, torch.cuda.device_count()}):
-        overrides = _throughput_overrides(steps, workers) + [
+        overrides = _throughput_overrides(steps, workers, quick) + [
             "scaling.use_gpu=true", "scaling.cpus_per_worker=1", "train.precision=bf16", "train.global_batch_size=64",
             f"model.options={{n_layer: {n_layer}, n_head: 8, d_model: {d_model}}}",
             f"data.options={{seq_len: {seq_len}, max_bytes: 4000000}}", "train.torch_threads=4"]
