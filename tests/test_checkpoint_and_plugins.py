@@ -83,3 +83,34 @@ def test_model_must_fit_the_task():
     with pytest.raises(UserError, match="gpt is for language_model data"):
         check_model_fits_task("gpt", "classification")
     check_model_fits_task("plugins.examples:linear", "classification")
+
+
+def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
+    from conftest import REPO
+    from training.cost import cluster_config_path, estimate_params
+
+    monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
+    path = cluster_config_path(None)
+    params = estimate_params(path, wall_s=2 * 3600, gpu_workers=2)
+    from cluster.prices import load_price_table
+
+    table = load_price_table()
+    expected = 2 * (table.get("m5.xlarge").on_demand_usd_per_hour + 2 * table.get("g5.xlarge").spot_usd_per_hour)
+    assert params["cluster_cost_usd_estimate"] == pytest.approx(expected, rel=1e-3)
+    assert params["cluster_gpu_energy_kwh_estimate"] == pytest.approx(2 * 2 * table.get("g5.xlarge").gpu_rated_watts / 1000)
+    assert cluster_config_path("~/x.yaml").endswith("/x.yaml")
+
+
+def test_early_stopping_counts_evaluations_without_improvement():
+    from training.config import JobConfig
+    from training.loop import _update_early_stopping
+
+    job = JobConfig.model_validate({"train": {"max_steps": 10, "early_stopping": {
+        "metric": "val_accuracy", "mode": "max", "patience_evals": 2, "min_delta": 0.01}}})
+    loop = ckpt.LoopState()
+    for accuracy, stopped in ((0.5, False), (0.8, False), (0.805, False), (0.79, True)):
+        _update_early_stopping(job, loop, {"val_accuracy": accuracy})
+        assert loop.stopped_early is stopped
+    assert loop.best_metric == 0.8
+    with pytest.raises(ValueError, match="not a validation metric"):
+        _update_early_stopping(job, ckpt.LoopState(), {"val_loss": 1.0})

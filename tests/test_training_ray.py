@@ -6,7 +6,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS
+from conftest import CONFIGS, REPO
 from training import config as config_lib
 from training.run import run_training
 
@@ -86,7 +86,8 @@ def test_a_named_run_resumes_in_the_same_mlflow_run(ray_cluster, workdir):
 def test_tinylm_trains_a_small_decoder(ray_cluster, workdir):
     job = config_lib.load(CONFIGS / "tinylm.yaml", [
         "train.max_steps=30", "train.eval_every_n_steps=15", "checkpoint.every_n_steps=15",
-        "data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}"],
+        "data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}",
+        f"tracking.cluster_config={REPO / 'cluster.yaml'}"],  # as if it ran on that cluster
         name="tiny")
     summary = run_training(job)
     assert summary.steps == 30
@@ -95,3 +96,5 @@ def test_tinylm_trains_a_small_decoder(ray_cluster, workdir):
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     (run,) = runs_named(client, "tinylm", "tiny")
     assert client.get_metric_history(run.info.run_id, "val_perplexity")
+    assert run.data.metrics["cluster_cost_usd_estimate"] > 0
+    assert run.data.metrics["cluster_gpu_energy_kwh_estimate"] > 0

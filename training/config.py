@@ -135,6 +135,8 @@ class TrackingConfig(_Section):
     register_model: bool = True
     # Registry name; default "<data.source>-<model.name>".
     registered_model_name: Optional[str] = None
+    # A cluster config (cluster.yaml) to price the run by; default $TRAINING_CLUSTER_CONFIG.
+    cluster_config: Optional[str] = None
 
 
 class JobConfig(_Section):

@@ -82,6 +82,19 @@ def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
 
 
 def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
+    from training.cost import cluster_config_path, estimate_params
+
+    cluster_config = cluster_config_path(job.tracking.cluster_config)
+    if cluster_config:
+        try:
+            workers = int(summary.metrics.get("world_size", job.scaling.max_workers))
+            summary.extra["cost"] = estimate_params(cluster_config, summary.wall_s, workers)
+        except Exception as exc:  # an estimate must never fail a finished run
+            log(f"warning: no cost estimate from {cluster_config}: {exc}")
+        else:
+            if tracker.run_id is not None:
+                for key, value in summary.extra["cost"].items():
+                    tracker.client.log_metric(tracker.run_id, key, value)
     if result.checkpoint is not None and tracker.run_id is not None:
         model = load_final_model(job, manifest, result.checkpoint)
         logged = log_model(job, manifest, model, tracker)
