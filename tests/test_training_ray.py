@@ -38,6 +38,7 @@ def test_default_job_reaches_95_percent_and_is_tracked(ray_cluster, workdir):
     assert {100, 200, 300, 400} <= set(val_steps)
     assert client.get_metric_history(run.info.run_id, "samples_per_s")[-1].value > 0
 
+    assert run.info.artifact_uri.startswith((workdir / "mlruns" / "digits").as_uri())  # beside mlflow.db
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "plots", "summary.json"} <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/learning_curve.png"]

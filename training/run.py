@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -214,11 +215,20 @@ def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], nam
                           "set tracking.tracking_uri to the original to resume it")
     try:
         tracker = MlflowTracker.start(paths.tracking_uri, job.tracking.experiment, name, run_id, tags,
-                                      config_lib.flatten(job))
+                                      config_lib.flatten(job), artifact_location=_artifact_location(paths, job))
     except Exception as exc:
         raise UserError(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}") from None
     tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
     return tracker
+
+
+def _artifact_location(paths: RunPaths, job: JobConfig) -> Optional[str]:
+    """Artifacts of an embedded (sqlite) store go next to the database, not into ./mlruns of
+    whatever directory the driver runs in (a submitted job's is a temporary copy)."""
+    if not paths.tracking_uri.startswith("sqlite:///"):
+        return None  # a tracking server decides where artifacts go
+    database = Path(paths.tracking_uri[len("sqlite:///"):])
+    return (database.parent / "mlruns" / re.sub(r"[^A-Za-z0-9_.-]+", "-", job.tracking.experiment)).as_uri()
 
 
 def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings: dict):

@@ -54,7 +54,8 @@ class MlflowTracker:
 
     @classmethod
     def start(cls, tracking_uri: str, experiment: str, run_name: str, run_id: Optional[str],
-              tags: dict[str, str], params: dict[str, str]) -> "MlflowTracker":
+              tags: dict[str, str], params: dict[str, str],
+              artifact_location: Optional[str] = None) -> "MlflowTracker":
         """Continue the run `run_id` if given (a resumed training run), else create one."""
         from mlflow.tracking import MlflowClient
 
@@ -64,7 +65,8 @@ class MlflowTracker:
             existing = client.get_run(run_id).data.params
         else:
             found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(
+                experiment, artifact_location=artifact_location)
             run_id = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name}).info.run_id
             existing = {}
         from mlflow.entities import Param, RunTag
