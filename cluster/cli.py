@@ -1,5 +1,5 @@
-"""python -m cluster {validate,cost,rehearse}: parse, call the library, print, map to exit codes
-(0 ok, warnings allowed; 1 a check failed; 2 bad input)."""
+"""python -m cluster {validate,cost,rehearse,spot-watcher}: parse, call the library, print,
+map to exit codes (0 ok, warnings allowed; 1 a check or an action failed; 2 bad input)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,31 @@ def build_parser() -> argparse.ArgumentParser:
     rehearse.add_argument("--gpu-workers", type=int, default=2, help="GPU workers the rehearsal job needs")
     rehearse.add_argument("--idle-timeout-s", type=float, default=10.0,
                           help="idle time before a fake node is released")
+    add_spot_watcher_parser(sub)
     return parser
+
+
+def add_spot_watcher_parser(sub) -> None:
+    from cluster.imds import DEFAULT_IMDS_URL, MAX_TOKEN_TTL_S
+    from cluster.spot_watcher import REBALANCE_POLICIES
+
+    watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption")
+    watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL, help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
+    watcher.add_argument("--interval-s", type=float, default=5.0, help="seconds between polls (default 5, as AWS advises)")
+    watcher.add_argument("--address", default=None,
+                         help="Ray GCS host:port (default: $RAY_ADDRESS, else the cluster `ray start` joined here)")
+    watcher.add_argument("--node-id", default=None,
+                         help="hex id of the node to drain (default: the one raylet of this cluster on this host)")
+    watcher.add_argument("--on-rebalance", choices=REBALANCE_POLICIES, default="log",
+                         help="on an EC2 rebalance recommendation: ignore it, log it (default), or drain early")
+    watcher.add_argument("--rebalance-deadline-s", type=float, default=600.0,
+                         help="drain deadline after a rebalance recommendation with --on-rebalance drain (default 600)")
+    watcher.add_argument("--token-ttl-s", type=int, default=MAX_TOKEN_TTL_S,
+                         help=f"IMDSv2 session token lifetime, 1..{MAX_TOKEN_TTL_S} (default {MAX_TOKEN_TTL_S})")
+    watcher.add_argument("--max-backoff-s", type=float, default=60.0,
+                         help="longest wait between polls while IMDS is unreachable (default 60)")
+    watcher.add_argument("--once", action="store_true",
+                         help="poll once, drain on a notice, and exit (1 if IMDS is unreachable)")
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -102,7 +126,61 @@ def run_rehearse(args: argparse.Namespace) -> int:
                                idle_timeout_s=args.idle_timeout_s) else EXIT_FAILED
 
 
-COMMANDS = {"validate": run_validate, "cost": run_cost, "rehearse": run_rehearse}
+def run_spot_watcher(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from cluster import ray_nodes
+    from cluster.imds import ImdsClient, ImdsError, ImdsUnavailable
+    from cluster.spot_watcher import SpotPolicy, SpotWatcher
+
+    if args.interval_s <= 0 or args.max_backoff_s <= 0:
+        raise ConfigError("--interval-s and --max-backoff-s must be > 0")
+    if not args.imds_url.startswith(("http://", "https://")):
+        raise ConfigError(f"--imds-url must be an http:// or https:// URL, got {args.imds_url!r}")
+    try:
+        imds = ImdsClient(args.imds_url, token_ttl_s=args.token_ttl_s)
+        policy = SpotPolicy(on_rebalance=args.on_rebalance, rebalance_deadline_s=args.rebalance_deadline_s)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log = logging.getLogger("cluster.spot_watcher")
+    try:
+        gcs = ray_nodes.gcs_client(args.address)
+        nodes = ray_nodes.list_nodes(gcs)
+    except ray_nodes.RayUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    node_id = ray_nodes.check_node(nodes, args.node_id).node_id if args.node_id else ray_nodes.local_node_id(nodes)
+
+    def drain(decision) -> None:
+        ray_nodes.drain_node(gcs, node_id, decision.reason_message, decision.deadline_timestamp_ms)
+
+    watcher = SpotWatcher(imds, policy, drain, interval_s=args.interval_s, max_backoff_s=args.max_backoff_s)
+    log.info("watching node %s: IMDS %s every %g s, rebalance recommendations: %s", node_id, args.imds_url,
+             args.interval_s, args.on_rebalance)
+    if args.once:
+        try:
+            drains = watcher.poll_once()
+        except ImdsUnavailable as error:
+            print(f"error: IMDS unreachable ({error}): not on EC2, or instance metadata is disabled", file=sys.stderr)
+            return EXIT_FAILED
+        except (ImdsError, ray_nodes.RayUnavailable) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        if not drains:
+            log.info("no interruption notice requires a drain")
+        return EXIT_OK
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_OK))
+    try:
+        watcher.run()
+    except (KeyboardInterrupt, SystemExit):
+        log.info("stopped")
+    return EXIT_OK
+
+
+COMMANDS = {"validate": run_validate, "cost": run_cost, "rehearse": run_rehearse,
+            "spot-watcher": run_spot_watcher}
 
 
 def main(argv: list[str] | None = None) -> int:
