@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -93,7 +94,7 @@ def git_commit() -> str:
 
 def check_storage(paths: RunPaths) -> None:
     """Fail fast, before anything starts, if the storage path cannot be written."""
-    probe = storage.join(paths.storage_path, ".write-probe")
+    probe = storage.join(paths.storage_path, f".write-probe-{uuid.uuid4().hex}")  # runs may start at once
     try:
         storage.write_text(probe, "ok")
         fs, path = storage.filesystem(probe)
@@ -137,9 +138,16 @@ def _check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
         build_model(job.model.name, job.model.options, {"task": task, **spec})
 
 
-def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callable[[str], None] = print) -> RunSummary:
+def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callable[[str], None] = print, *,
+                 callbacks: tuple = (), initial_checkpoint: Optional[str] = None,
+                 mlflow_run_id: Optional[str] = None, mlflow_tags: Optional[dict] = None) -> RunSummary:
     """Run (or resume) one training run to the end. Raises UserError before anything starts on bad
-    input and RunFailed if the run itself fails."""
+    input and RunFailed if the run itself fails.
+
+    For runs driven by another program (a sweep): `callbacks`, extra Ray Train callbacks;
+    `initial_checkpoint`, a checkpoint to start from when the run has none of its own;
+    `mlflow_run_id`, an MLflow run to continue when the run has no record yet; `mlflow_tags`,
+    extra tags (`mlflow.parentRunId` nests the run)."""
     from training.data.prepare import prepare
     from training.models import check_model_fits_task
 
@@ -168,7 +176,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     timings["data_ready"] = time.time()
 
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
-    tracker = _start_tracking(job, paths, record, name)
+    tracker = _start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()
     if record is None:
         storage.write_text(storage.join(paths.run_dir, RUN_FILE), json.dumps({
@@ -177,7 +185,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
 
     try:
-        result = _fit(job, paths, manifest, tracker, name, timings)
+        result = _fit(job, paths, manifest, tracker, name, timings, callbacks=callbacks,
+                      initial_checkpoint=initial_checkpoint)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
@@ -198,7 +207,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     return summary
 
 
-def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str):
+def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
+                    run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
     from training.tracking import MlflowTracker, NullTracker
 
     if not job.tracking.enabled:
@@ -208,8 +218,8 @@ def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], nam
 
     tags = {"training.run_name": name, "git_commit": git_commit(), "ray_version": ray.__version__,
             "torch_version": torch.__version__, "world_size": str(job.scaling.num_workers),
-            "mlflow.runName": name}
-    run_id = record.get("mlflow_run_id") if record else None
+            "mlflow.runName": name, **(extra_tags or {})}
+    run_id = record.get("mlflow_run_id") if record else run_id
     if record and record.get("tracking_uri") not in (None, paths.tracking_uri):
         raise ConfigError(f"run {name!r} is tracked at {record['tracking_uri']}, not {paths.tracking_uri}; "
                           "set tracking.tracking_uri to the original to resume it")
@@ -231,7 +241,8 @@ def _artifact_location(paths: RunPaths, job: JobConfig) -> Optional[str]:
     return (database.parent / "mlruns" / re.sub(r"[^A-Za-z0-9_.-]+", "-", job.tracking.experiment)).as_uri()
 
 
-def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings: dict):
+def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings: dict, callbacks: tuple = (),
+         initial_checkpoint: Optional[str] = None):
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -271,9 +282,10 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep,
                                                          checkpoint_score_attribute=job.checkpoint.score_metric,
                                                          checkpoint_score_order=job.checkpoint.score_mode),
-            callbacks=[RunCallback(tracker)], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
+            callbacks=[RunCallback(tracker), *callbacks], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
+        seeded = {"initial_checkpoint": initial_checkpoint} if initial_checkpoint else {}
         trainer = TorchTrainer(train_loop_per_worker,
-                               train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root},
+                               train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root, **seeded},
                                scaling_config=scaling, run_config=run_config)
         try:
             return trainer.fit()

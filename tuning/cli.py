@@ -1,0 +1,66 @@
+"""`python -m tuning SWEEP.yaml [--set key=value ...] [--name SWEEP]`: one hyperparameter sweep.
+
+Exit codes: 0 the sweep finished (some trials may have failed: see the table); 2 bad input (nothing
+was started); 1 the sweep itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+EPILOG = """\
+examples:
+  python -m tuning tuning/sweeps/digits_asha.yaml
+  python -m tuning tuning/sweeps/digits_asha.yaml --set num_samples=16 --set train.max_steps=200
+  python -m tuning tuning/sweeps/digits_pbt.yaml --name pbt-2
+  ray job submit --working-dir . -- python -m tuning tuning/sweeps/digits_asha.yaml
+
+--set: keys of the sweep file (num_samples, scheduler.name, ...) change the sweep; any other key
+changes the base job config of every trial (train.max_steps, optim.name, ...).
+Resume: a sweep whose name exists in storage is resumed (the name defaults to the sweep file's),
+so after the driver dies the same command continues it.
+Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a local one.
+exit codes: 0 finished, 1 the sweep failed, 2 bad input (nothing started)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tuning", description="Run a hyperparameter sweep of training runs.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep file (YAML); examples in tuning/sweeps/")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a sweep or base-job field by dotted path (repeatable)")
+    p.add_argument("--name", help="sweep name; a sweep whose name exists in storage is resumed")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    from training.errors import RunFailed, UserError
+    from tuning import config as sweep_config
+
+    try:
+        sweep = sweep_config.load(args.sweep, args.overrides, args.name)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"sweep {sweep.name}: {sweep.config.num_samples} sample(s) of "
+          + ", ".join(f"{path} ~ {dim.describe()}" for path, dim in sweep.space.items()), flush=True)
+    from tuning.sweep import run_sweep
+
+    try:
+        summary = run_sweep(sweep)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; run the same command to resume the sweep", file=sys.stderr)
+        return 130
+    print(f"sweep {summary.name} finished in {summary.wall_s:.0f} s: "
+          + ", ".join(f"{sum(r.status == s for r in summary.rows)} {s}" for s in ("finished", "stopped", "failed")),
+          flush=True)
+    return 0

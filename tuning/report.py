@@ -1,0 +1,240 @@
+"""The sweep in MLflow: one parent run, each trial's training run nested under it as a child.
+
+The parent holds the search space (params), the resolved sweep, a results table (results.csv), the
+best trial's config and metric, and plots: a learning curve per trial, and the metric against each
+swept parameter. The best trial's model is registered. Children of trials that Tune stopped are
+marked KILLED, of failed trials FAILED, each with a `tune.trial_status` tag.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from training import config as config_lib
+from training import storage
+from training.tracking import NullTracker
+from tuning.config import Sweep
+from tuning.trial import SWEEP_TAG, TRIAL_TAG
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    status: str  # finished | stopped | failed
+    run: str
+    params: dict
+    steps: int
+    last: Optional[float]
+    best: Optional[float]
+    mlflow_run_id: Optional[str] = None
+    history: list = field(default_factory=list)  # (step, metric)
+    checkpoint_path: Optional[str] = None
+
+
+def start_parent(sweep: Sweep, paths, state: Optional[dict]):
+    from training.run import _artifact_location
+    from training.tracking import MlflowTracker
+
+    if paths.tracking_uri is None:
+        return NullTracker()
+    params = {f"space.{path}": dim.describe() for path, dim in sweep.space.items()}
+    cfg = sweep.config
+    params.update({"search.algorithm": cfg.search.algorithm, "search.seed": str(cfg.search.seed),
+                   "scheduler": cfg.scheduler.name, "metric": cfg.metric, "mode": cfg.mode,
+                   "num_samples": str(cfg.num_samples)})
+    if cfg.scheduler.name == "asha":
+        params.update({"scheduler.grace_period_steps": str(cfg.scheduler.grace_period_steps),
+                       "scheduler.reduction_factor": str(cfg.scheduler.reduction_factor)})
+    if cfg.scheduler.name == "pbt":
+        params["scheduler.perturbation_interval_steps"] = str(cfg.scheduler.perturbation_interval_steps)
+    tags = {SWEEP_TAG: sweep.name, "tune.role": "sweep", "mlflow.runName": sweep.name}
+    parent = MlflowTracker.start(paths.tracking_uri, sweep.base.tracking.experiment, sweep.name,
+                                 state.get("parent_run_id") if state else None, tags, params,
+                                 artifact_location=_artifact_location(paths, sweep.base))
+    text = yaml.safe_dump({"sweep": cfg.model_dump(mode="json"), "base": sweep.base.model_dump(mode="json")},
+                          sort_keys=False)
+    parent.client.log_text(parent.run_id, text, "sweep/resolved_sweep.yaml")
+    return parent
+
+
+def trial_rows(sweep: Sweep, grid, paths) -> list[TrialRow]:
+    metric = sweep.config.metric
+    rows = []
+    for trial, result in zip(grid._experiment_analysis.trials, grid):  # private: the only trial-id view
+        metrics = result.metrics or {}
+        run = metrics.get("training_run") or f"{sweep.name}-{trial.trial_id}"
+        frame = result.metrics_dataframe
+        history = []
+        if frame is not None and metric in frame:
+            history = [(int(s), float(v)) for s, v in zip(frame["step"], frame[metric]) if not _nan(v)]
+        values = [v for _, v in history]
+        best = (max if sweep.config.mode == "max" else min)(values) if values else None
+        if result.error is not None:
+            status = "failed"
+        elif storage.exists(storage.join(paths.storage_path, run, "summary.json")):
+            status = "finished"
+        else:
+            status = "stopped"
+        rows.append(TrialRow(trial.trial_id, status, run, dict(trial.config), int(metrics.get("step", 0)),
+                             values[-1] if values else None, best, history=history,
+                             checkpoint_path=metrics.get("checkpoint_path")))
+    return rows
+
+
+def best_row(sweep: Sweep, rows: list[TrialRow]) -> Optional[TrialRow]:
+    scored = [r for r in rows if r.status != "failed" and r.last is not None]
+    if not scored:
+        return None
+    pick = max if sweep.config.mode == "max" else min
+    return pick(scored, key=lambda r: r.last)
+
+
+def finish(sweep: Sweep, paths, manifest, grid, parent, state: dict, summary, log) -> None:
+    rows = trial_rows(sweep, grid, paths)
+    summary.rows, summary.best = rows, best_row(sweep, rows)
+    for row in rows:
+        log(f"  trial {row.trial_id} {row.status:8} {sweep.config.metric} {_fmt(row.last)} at step {row.steps} "
+            f"{_params_text(row.params)}")
+    if parent.run_id is None:
+        return
+    client = parent.client
+    children = {run.data.tags.get(TRIAL_TAG): run for run in client.search_runs(
+        [client.get_run(parent.run_id).info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")}
+    for row in rows:
+        child = children.get(row.trial_id)
+        if child is None:
+            continue
+        row.mlflow_run_id = child.info.run_id
+        client.set_tag(child.info.run_id, "tune.trial_status", row.status)
+        wanted = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}[row.status]
+        if child.info.status != wanted:
+            client.set_terminated(child.info.run_id, status=wanted)
+    counts = {status: sum(r.status == status for r in rows) for status in ("finished", "stopped", "failed")}
+    for status, count in counts.items():
+        client.log_metric(parent.run_id, f"trials_{status}", count)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        _write_table(sweep, rows, tmp / "results.csv")
+        client.log_artifact(parent.run_id, str(tmp / "results.csv"))
+        for plot in _plots(sweep, rows, tmp):
+            client.log_artifact(parent.run_id, str(plot), "plots")
+        best = summary.best
+        if best is not None:
+            from tuning.trial import trial_job
+            from tuning.schedule import absolute_base
+            from tuning.trial import TrialSetup
+
+            setup = TrialSetup(sweep.name, absolute_base(sweep, paths), paths.base_dir, paths.tracking_uri,
+                               sweep.base.tracking.experiment, parent.run_id, False)
+            job = trial_job(setup, best.params, best.run)
+            client.log_text(parent.run_id, config_lib.to_yaml(job), "best/config.yaml")
+            client.log_metric(parent.run_id, f"best_{sweep.config.metric}", best.last)
+            client.set_tag(parent.run_id, "best_trial_id", best.trial_id)
+            if best.mlflow_run_id:
+                client.set_tag(parent.run_id, "best_run_id", best.mlflow_run_id)
+            if sweep.base.tracking.register_model and best.mlflow_run_id:
+                summary.registered = state.get("registered") or _register(sweep, job, manifest, best, parent)
+                state["registered"] = summary.registered
+            log(f"sweep {sweep.name}: best trial {best.trial_id} ({sweep.config.metric} {_fmt(best.last)}) "
+                f"{_params_text(best.params)}")
+    log(f"  MLflow parent run {parent.run_id} at {parent.tracking_uri}")
+    if summary.registered:
+        log(f"  registered model: {summary.registered['name']} version {summary.registered['version']}")
+
+
+def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[dict]:
+    """Register the best trial's logged model; a trial stopped before the end has none: log it from
+    its last checkpoint first."""
+    import mlflow
+
+    from training.finalize import load_final_model, log_model, registered_model_name
+    from training.tracking import MlflowTracker
+
+    client = parent.client
+    name = registered_model_name(sweep.base)
+    experiment_id = client.get_run(best.mlflow_run_id).info.experiment_id
+    logged = client.search_logged_models(experiment_ids=[experiment_id],
+                                         filter_string=f"source_run_id = '{best.mlflow_run_id}'",
+                                         order_by=[{"field_name": "creation_time", "ascending": False}])
+    if logged:
+        mlflow.set_tracking_uri(parent.tracking_uri)
+        version = mlflow.register_model(logged[0].model_uri, name).version
+    elif best.checkpoint_path:
+        import ray.train
+
+        fs, path = storage.filesystem(best.checkpoint_path)
+        model = load_final_model(job, manifest, ray.train.Checkpoint(path, filesystem=fs))
+        registering = job.model_copy(update={"tracking": job.tracking.model_copy(update={"register_model": True,
+                                                                                          "registered_model_name": name})})
+        version = log_model(registering, manifest, model, MlflowTracker(parent.tracking_uri, best.mlflow_run_id))[
+            "registered_version"]
+    else:
+        return None
+    client.set_model_version_tag(name, str(version), SWEEP_TAG, sweep.name)
+    client.set_model_version_tag(name, str(version), TRIAL_TAG, best.trial_id)
+    return {"name": name, "version": str(version)}
+
+
+def _write_table(sweep: Sweep, rows: list[TrialRow], path: Path) -> None:
+    params = list(sweep.space)
+    metric = sweep.config.metric
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["trial_id", "status", "steps", f"{metric}_last", f"{metric}_best", *params,
+                         "training_run", "mlflow_run_id"])
+        for row in rows:
+            writer.writerow([row.trial_id, row.status, row.steps, row.last, row.best,
+                             *[row.params.get(p) for p in params], row.run, row.mlflow_run_id])
+
+
+def _plots(sweep: Sweep, rows: list[TrialRow], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric, written = sweep.config.metric, []
+    fig, axis = plt.subplots(figsize=(8, 5))
+    for row in rows:
+        if row.history:
+            axis.plot(*zip(*row.history), marker=".", label=f"{row.trial_id} ({row.status})")
+    axis.set(xlabel="step", ylabel=metric, title=f"{sweep.name}: {metric} per trial")
+    axis.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    written.append(folder / "learning_curves.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+    for path, dim in sweep.space.items():
+        points = [(row.params.get(path), row.last) for row in rows if row.last is not None]
+        numeric = all(isinstance(x, (int, float)) for x, _ in points)
+        fig, axis = plt.subplots(figsize=(6, 4))
+        xs = [x if numeric else str(x) for x, _ in points]
+        axis.scatter(xs, [y for _, y in points])
+        if dim.kind == "loguniform":
+            axis.set_xscale("log")
+        axis.set(xlabel=path, ylabel=f"{metric} (last)", title=f"{metric} vs {path}")
+        fig.tight_layout()
+        written.append(folder / f"{metric}_vs_{path}.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return written
+
+
+def _nan(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -1,0 +1,159 @@
+"""What a trial holds, how many trials run at once, and giving back what stopped trials held.
+
+A trial is two things on the cluster: its driver (a Tune actor that runs the training run's driver)
+and the training run's workers, which Ray Train V2 reserves in a placement group of its own, outside
+Tune's accounting. Two ways a sweep can hang follow, and both are handled here:
+
+1. Trial drivers hold so much that no trial's workers can be placed: `concurrency` keeps
+   `trials * driver + one trial's workers` within the cluster, so at least one trial always runs.
+2. A trial that Tune stops (ASHA, PBT's exploit, the end of a sweep) ends its actor; the Train
+   controller it owns dies with it, but the controller's placement group outlives it (Ray keeps an
+   actor-created group until its job ends). Ray Train's own cleaner removes it only while the
+   state API answers. `release_orphaned_groups` removes such groups from the GCS table directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from training.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+NIL_ACTOR = "f" * 32
+
+
+@dataclass(frozen=True)
+class TrialResources:
+    driver: dict[str, float]
+    min_workers: dict[str, float]  # what the training run needs to start (elastic: its minimum)
+    max_workers: dict[str, float]
+
+    def total(self) -> dict[str, float]:
+        return _add(self.driver, self.max_workers)
+
+
+@dataclass(frozen=True)
+class ConcurrencyDecision:
+    trials: int
+    fits: bool  # one trial fits on the cluster as it is now
+    note: Optional[str] = None
+
+
+def trial_resources(job: JobConfig, driver_cpus: float, cluster_has_gpus: bool) -> TrialResources:
+    use_gpu = cluster_has_gpus if job.scaling.use_gpu == "auto" else job.scaling.use_gpu
+    per_worker = {"CPU": job.scaling.cpus_per_worker, **job.scaling.resources_per_worker,
+                  **({"GPU": 1.0} if use_gpu else {})}
+    return TrialResources(driver={"CPU": driver_cpus},
+                          min_workers={k: v * job.scaling.min_workers for k, v in per_worker.items()},
+                          max_workers={k: v * job.scaling.max_workers for k, v in per_worker.items()})
+
+
+def concurrency(requested: Optional[int], resources: TrialResources, cluster: dict[str, float],
+                total_trials: int) -> ConcurrencyDecision:
+    """How many trials run at once. Default: as many as fit whole. A request above what is safe is
+    lowered: trial drivers would leave no room for any trial's workers, and every trial would wait."""
+    fits = all(cluster.get(k, 0.0) + 1e-9 >= v for k, v in _add(resources.driver, resources.min_workers).items())
+    if not fits:
+        need = ", ".join(f"{k} {v:g}" for k, v in resources.total().items())
+        return ConcurrencyDecision(requested or 1, False,
+                                   f"one trial needs {need}; the cluster has {_describe(cluster)} now: trials wait "
+                                   "for the autoscaler to add nodes")
+    whole = min(math.floor(cluster.get(k, 0.0) / v + 1e-9) for k, v in resources.total().items() if v > 0)
+    safe = min((math.floor((cluster.get(k, 0.0) - resources.min_workers.get(k, 0.0)) / v + 1e-9)
+                for k, v in resources.driver.items() if v > 0), default=total_trials)
+    if requested is None:
+        return ConcurrencyDecision(max(1, min(whole, total_trials)), True)
+    if requested > max(safe, 1):
+        return ConcurrencyDecision(max(safe, 1), True, f"max_concurrent_trials lowered from {requested} to "
+                                   f"{max(safe, 1)}: more trial drivers would leave no room for a trial's workers")
+    return ConcurrencyDecision(requested, True)
+
+
+def _add(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
+
+
+def _describe(resources: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU") or not k.startswith(
+        ("node:", "memory", "object_store", "accelerator")))
+
+
+def orphaned_groups(job_id: str) -> list[str]:
+    """Placement groups of this job whose creating actor is dead and which Ray has not removed.
+    Groups made by the driver itself (Tune's trial groups: no creating actor) are never included."""
+    from ray._private.state import state  # private: the only view of a group's creator; kept here
+    from ray.core.generated import gcs_pb2
+
+    table = gcs_pb2.PlacementGroupTableData
+    found = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        group = table.FromString(raw)
+        creator = group.creator_actor_id.hex()
+        if (group.creator_job_id.hex() == job_id and creator and creator != NIL_ACTOR and group.creator_actor_dead
+                and not group.is_detached and group.state != table.REMOVED):
+            found.append(group.placement_group_id.hex())
+    return found
+
+
+def release_orphaned_groups(job_id: str) -> list[str]:
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    released = []
+    for group_id in orphaned_groups(job_id):
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+            released.append(group_id)
+        except Exception as exc:  # removed meanwhile by Ray Train's own cleaner
+            log.debug("placement group %s: %s", group_id, exc)
+    return released
+
+
+def _current_job_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_job_id()
+
+
+try:
+    from ray.tune import Callback as _TuneCallback
+except ImportError:  # Ray without Tune: the policy above still imports
+    _TuneCallback = object
+
+
+class ReleaseStoppedTrials(_TuneCallback):
+    """A Tune callback that gives back the workers of stopped trials: at each trial's end and at least
+    every `every_s` seconds while the sweep runs (PBT's exploit also ends a trial's actor). It asks
+    for the current job when it runs, so that a resumed sweep (Tune unpickles its callbacks) cleans
+    up its own job's groups."""
+
+    total_released = 0  # in this driver process, for the summary
+
+    def __init__(self, every_s: float = 1.0):
+        self.every_s = every_s
+        self._last = 0.0
+
+    def _release(self) -> None:
+        import time
+
+        self._last = time.monotonic()
+        freed = release_orphaned_groups(_current_job_id())
+        if freed:
+            print(f"sweep: released {len(freed)} placement group(s) of stopped trials", flush=True)
+        ReleaseStoppedTrials.total_released += len(freed)
+
+    def on_step_end(self, iteration, trials, **info):
+        import time
+
+        if time.monotonic() - self._last >= self.every_s:
+            self._release()
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._release()
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._release()
