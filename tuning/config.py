@@ -7,6 +7,7 @@ against the job config, so a trial never starts with a config the training run w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -115,9 +116,13 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
         sweep = SweepConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{path} is invalid:\n{config_lib.format_validation_error(exc, root=SweepConfig)}") from None
+    final_name = name or sweep.name or path.stem
+    if not re.fullmatch(NAME_PATTERN, final_name):
+        raise ConfigError(f"name: {final_name!r} must start with a letter or digit and hold only letters, digits, "
+                          "'_', '.' and '-' (at most 64)")
     base_raw, base = _load_base(sweep, path)
     space = _check_space(sweep, base_raw)
-    return Sweep(config=sweep, name=name or sweep.name or path.stem, space=space, base_raw=base_raw, base=base)
+    return Sweep(config=sweep, name=final_name, space=space, base_raw=base_raw, base=base)
 
 
 def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
