@@ -1,4 +1,4 @@
-"""python -m cluster {validate,cost,rehearse,spot-watcher}: parse, call the library, print,
+"""python -m cluster {validate,cost,rehearse,spot-watcher,chaos}: parse, call the library, print,
 map to exit codes (0 ok, warnings allowed; 1 a check or an action failed; 2 bad input)."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     rehearse.add_argument("--idle-timeout-s", type=float, default=10.0,
                           help="idle time before a fake node is released")
     add_spot_watcher_parser(sub)
+    add_chaos_parser(sub)
     return parser
 
 
@@ -56,6 +57,21 @@ def add_spot_watcher_parser(sub) -> None:
                          help="longest wait between polls while IMDS is unreachable (default 60)")
     watcher.add_argument("--once", action="store_true",
                          help="poll once, drain on a notice, and exit (1 if IMDS is unreachable)")
+
+
+def add_chaos_parser(sub) -> None:
+    from cluster.chaos import ACTIONS
+
+    chaos = sub.add_parser("chaos", help="rehearse a failure on a live cluster running a Ray Train job")
+    chaos.add_argument("action", choices=ACTIONS,
+                       help="kill-worker: SIGKILL one Ray Train worker process; drain-node: drain a node running "
+                            "one as if preempted; kill-node: SIGKILL that node's raylet and all its processes")
+    chaos.add_argument("--address", default=None, help="Ray cluster address (default: auto, as `ray.init` finds it)")
+    chaos.add_argument("--seed", type=int, default=None, help="seed for the random choice of target")
+    chaos.add_argument("--node-id", default=None, help="only consider this node (hex id)")
+    chaos.add_argument("--allow-head", action="store_true", help="the head node may be a target")
+    chaos.add_argument("--deadline-s", type=float, default=30.0, help="drain-node: deadline in seconds (default 30)")
+    chaos.add_argument("--dry-run", action="store_true", help="print the target and what would be done; touch nothing")
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -179,8 +195,53 @@ def run_spot_watcher(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_chaos(args: argparse.Namespace) -> int:
+    import random
+
+    from cluster import ray_nodes
+    from cluster.chaos import ChaosExecutor, ChaosPolicy, NothingToDo, TRAIN_WORKER_CLASS
+
+    if args.deadline_s < 0:
+        raise ConfigError(f"--deadline-s must be >= 0, got {args.deadline_s}")
+    import ray
+
+    try:
+        ray.init(address=args.address or "auto", logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as error:  # no cluster found, or none answering at --address
+        print(f"error: cannot connect to a Ray cluster ({args.address or 'auto'}): {error}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        address = ray.get_runtime_context().gcs_address
+        gcs = ray_nodes.gcs_client(address)
+        nodes = ray_nodes.list_nodes(gcs)
+        if args.node_id:
+            ray_nodes.check_node(nodes, args.node_id)
+        policy = ChaosPolicy(allow_head=args.allow_head, node_id=args.node_id)
+        try:
+            decision = policy.decide(args.action, ray_nodes.alive_actors(TRAIN_WORKER_CLASS), nodes,
+                                     random.Random(args.seed))
+        except NothingToDo as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if args.dry_run:
+            print(f"dry run on the cluster at {address}: would {decision.describe()}")
+            return EXIT_OK
+        print(f"chaos on the cluster at {address}: {decision.describe()}")
+        try:
+            print(ChaosExecutor(gcs).execute(decision, deadline_s=args.deadline_s))
+        except Exception as error:
+            print(f"error: {args.action} failed: {type(error).__name__}: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+    except ray_nodes.RayUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        ray.shutdown()
+
+
 COMMANDS = {"validate": run_validate, "cost": run_cost, "rehearse": run_rehearse,
-            "spot-watcher": run_spot_watcher}
+            "spot-watcher": run_spot_watcher, "chaos": run_chaos}
 
 
 def main(argv: list[str] | None = None) -> int:

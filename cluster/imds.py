@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -89,7 +90,7 @@ class ImdsClient:
             if error.code >= 500:
                 raise ImdsUnavailable(f"{method} {path}: HTTP {error.code}") from error
             return error.code, ""
-        except (urllib.error.URLError, OSError) as error:  # refused, unreachable, timed out
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, timed out, cut off
             reason = getattr(error, "reason", error)
             raise ImdsUnavailable(f"{self.base_url}: {reason}") from error
 

@@ -40,7 +40,11 @@ def resolve_address(address: str | None) -> str:
 def gcs_client(address: str | None):
     from ray._raylet import GcsClient
 
-    return GcsClient(address=resolve_address(address))
+    resolved = resolve_address(address)
+    try:
+        return GcsClient(address=resolved)
+    except Exception as error:  # RpcError after Ray's own connect timeout
+        raise RayUnavailable(f"cannot reach the Ray cluster at {resolved}: {error}") from error
 
 
 def list_nodes(gcs) -> list[NodeInfo]:

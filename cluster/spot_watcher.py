@@ -94,6 +94,7 @@ class SpotWatcher:
         self.draining_until: datetime | None = None   # deadline of the last accepted drain
         self.drains: list[DrainDecision] = []
         self._logged: set[tuple[Notice, str]] = set()
+        self._errors_logged: set[str] = set()
 
     def _once(self, notice: Notice, summary: str) -> None:
         """Log a summary once per notice (polls repeat the same notice every few seconds)."""
@@ -119,7 +120,8 @@ class SpotWatcher:
 
     def run(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Poll until `stop()`. IMDS unreachable: one log line, then back off (doubling up to
-        `max_backoff_s`) and keep trying; any other failure is logged and retried next poll."""
+        `max_backoff_s`) and keep trying; an unusable answer is logged once per kind; a failed drain is
+        logged and retried next poll."""
         unavailable_since: datetime | None = None
         wait_s = self.interval_s
         while not stop():
@@ -134,8 +136,10 @@ class SpotWatcher:
                     log.warning("IMDS unreachable (%s): not on EC2, or metadata access is off. "
                                 "Polling again with backoff up to %g s.", error, self.max_backoff_s)
                 wait_s = min(wait_s * 2, self.max_backoff_s)
-            except ImdsError as error:
-                log.warning("IMDS: %s", error)
+            except ImdsError as error:  # an answer it cannot use: say so once, keep polling
+                if str(error) not in self._errors_logged:
+                    self._errors_logged.add(str(error))
+                    log.warning("IMDS: %s", error)
             except Exception as error:  # the drain failed (GCS away?): try again next poll
                 log.error("drain failed: %s: %s", type(error).__name__, error)
             self._sleep(wait_s)
