@@ -44,6 +44,13 @@ def markdown(results: dict) -> str:
         v = r.get(name)
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
+        elif name == "sweep" and v:
+            runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
+                             for s in v["seeds"])
+            lines.append(f"| sweep ASHA vs random | trial-steps to val_acc {v['target_val_accuracy']}: {runs} | "
+                         f"**{_f(v['steps_to_target_ratio'])}** (whole sweep {_f(v['total_steps_ratio'])}) | "
+                         f"{v['trials']} trials of digits (same draws), up to {v['max_steps']} steps each, 1 worker; "
+                         "trial-steps of all trials in wall-clock order until the first evaluation at target |")
         elif v:
             lines.append(f"| {name} | {v} | — | |")
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from bench.common import (CONFIGS, REPO, median, run_baseline, run_service, service_job,
                           steady_samples_per_s)
+from bench.sweep import sweep  # noqa: F401  (the sweep row: ASHA vs random search)
 
 # task -> (config, model options used by both the service and the baseline)
 TASKS = {

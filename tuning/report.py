@@ -35,6 +35,7 @@ class TrialRow:
     best: Optional[float]
     mlflow_run_id: Optional[str] = None
     history: list = field(default_factory=list)  # (step, metric)
+    timeline: list = field(default_factory=list)  # (step, metric, wall-clock time of the evaluation)
     checkpoint_path: Optional[str] = None
 
 
@@ -71,9 +72,12 @@ def trial_rows(sweep: Sweep, grid, paths) -> list[TrialRow]:
         metrics = result.metrics or {}
         run = metrics.get("training_run") or f"{sweep.name}-{trial.trial_id}"
         frame = result.metrics_dataframe
-        history = []
+        timeline = []
         if frame is not None and metric in frame:
-            history = [(int(s), float(v)) for s, v in zip(frame["step"], frame[metric]) if not _nan(v)]
+            walls = frame["wall_time"] if "wall_time" in frame else frame["timestamp"]
+            timeline = [(int(s), float(v), float(w)) for s, v, w in zip(frame["step"], frame[metric], walls)
+                        if not _nan(v)]
+        history = [(s, v) for s, v, _ in timeline]
         values = [v for _, v in history]
         best = (max if sweep.config.mode == "max" else min)(values) if values else None
         if result.error is not None:
@@ -83,7 +87,7 @@ def trial_rows(sweep: Sweep, grid, paths) -> list[TrialRow]:
         else:
             status = "stopped"
         rows.append(TrialRow(trial.trial_id, status, run, dict(trial.config), int(metrics.get("step", 0)),
-                             values[-1] if values else None, best, history=history,
+                             values[-1] if values else None, best, history=history, timeline=timeline,
                              checkpoint_path=metrics.get("checkpoint_path")))
     return rows
 

@@ -1,0 +1,63 @@
+"""Sweep row: ASHA against random search (FIFO: every trial to the end) with the same trial budget and
+the same draws on digits. Measured: trial-steps spent, over all trials in wall-clock order, until the
+first evaluation at or above a target validation accuracy, and in the whole sweep; ASHA / random as
+a ratio (below 1: ASHA gets there with less work), over a few seeds."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from bench.common import CONFIGS, median
+
+SPACE = """space:
+  optim.lr: {loguniform: [1.0e-5, 3.0e-2]}
+  model.options.dropout: {uniform: [0.0, 0.5]}
+  model.options.hidden: {choice: [[32], [128, 64]]}
+"""
+
+
+def steps_to_target(rows, target: float):
+    """Trial-steps spent by all trials until the first evaluation >= target (None if never)."""
+    events = sorted((wall, row.trial_id, step, value) for row in rows for step, value, wall in row.timeline)
+    spent: dict[str, int] = {}
+    for wall, trial_id, step, value in events:
+        spent[trial_id] = max(spent.get(trial_id, 0), step)
+        if value >= target:
+            return sum(spent.values())
+    return None
+
+
+def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
+    from tuning import config as sweep_config
+    from tuning.sweep import run_sweep
+
+    body = (f"base: {CONFIGS / 'digits.yaml'}\nset: [train.max_steps={steps}, train.eval_every_n_steps={steps // 8},"
+            f" checkpoint.every_n_steps={steps // 2}, checkpoint.keep=1, train.log_every_n_steps={steps // 8},"
+            " train.min_report_interval_s=0, tracking.experiment=bench-sweep, tracking.register_model=false]\n"
+            f"{SPACE}search: {{algorithm: random, seed: {seed}}}\n"
+            f"scheduler: {{name: {scheduler}, grace_period_steps: {steps // 8}, reduction_factor: 2}}\n"
+            f"num_samples: {samples}\ntrial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}\n")
+    path = base / f"{scheduler}-{seed}.yaml"
+    path.write_text(body)
+    summary = run_sweep(sweep_config.load(path, name=f"bench-{scheduler}-{seed}"), log=lambda line: None)
+    return summary.rows, sum(row.steps for row in summary.rows)
+
+
+def sweep(quick: bool) -> dict:
+    seeds = [0] if quick else [0, 1, 2]
+    samples, steps, target = (4, 16, 0.3) if quick else (12, 320, 0.95)
+    per_seed = []
+    with tempfile.TemporaryDirectory() as base:
+        for seed in seeds:
+            result = {"seed": seed}
+            for scheduler in ("asha", "fifo"):
+                rows, total = _run(scheduler, seed, samples, steps, Path(base))
+                result[scheduler] = {"steps_to_target": steps_to_target(rows, target), "total_steps": total,
+                                     "stopped": sum(r.status == "stopped" for r in rows)}
+            per_seed.append(result)
+    reached = [r for r in per_seed if r["asha"]["steps_to_target"] and r["fifo"]["steps_to_target"]]
+    return {"target_val_accuracy": target, "trials": samples, "max_steps": steps, "seeds": per_seed,
+            "steps_to_target_ratio": median([r["asha"]["steps_to_target"] / r["fifo"]["steps_to_target"]
+                                             for r in reached]) if reached else None,
+            "total_steps_ratio": median([r["asha"]["total_steps"] / r["fifo"]["total_steps"] for r in per_seed])}
