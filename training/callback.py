@@ -1,7 +1,10 @@
 """The Train controller's side of a run: progress lines and tracking, once per report.
 
 Runs on the Ray Train controller (not on the workers), so there is exactly one writer to the
-MLflow run however many workers there are and however often they restart.
+MLflow run however many workers there are and however often they restart. The tracker only queues
+metrics here (it sends them from its own thread), so an MLflow outage never stalls the controller;
+when the run ends, `TrackingShutdown` gives MLflow a last chance and leaves the rest in the run's
+storage for the driver.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import datetime
 import time
 
 import ray.train
+from ray.train.v2._internal.execution.callback import ControllerCallback  # DeveloperAPI
 
 from training.tracking import NullTracker
 
@@ -45,6 +49,8 @@ class RunCallback(ray.train.UserCallback):
             eta = seconds_per_step * (int(latest.get("total_steps", step)) - step)
         self._last = (now, step)
         self.tracker.log_metrics({k: v for k, v in latest.items() if k not in _SKIP}, step)
+        if checkpoint is not None:
+            self.tracker.on_checkpoint()
         line = progress_line(latest, eta)
         if checkpoint is not None:
             line += " | checkpoint saved"
@@ -55,3 +61,26 @@ class RunCallback(ray.train.UserCallback):
         print(f"worker failure ({ranks}); Ray Train restarts from the latest checkpoint if the failure "
               "budget allows", flush=True)
         self._last = None
+
+
+class TrackingShutdown(ControllerCallback):
+    """When the run ends (finished, failed or aborted), before the controller exits: deliver the
+    metrics still queued, waiting a little for MLflow; what it does not take goes to the run's
+    backlog file, which the driver's tracker picks up."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def after_controller_finish(self, result) -> None:
+        # Long enough for a batch in flight; if MLflow is away, the driver waits for it instead.
+        self.tracker.close(self.tracker.policy.attempt_timeout_s)
+
+    def before_controller_abort(self) -> None:
+        self.tracker.close(0.0)
+
+
+def run_callbacks(tracker=None) -> list:
+    """The callbacks of a run's RunConfig. They share one tracker (pickled together, so the
+    controller gets one copy of it)."""
+    tracker = tracker or NullTracker()
+    return [RunCallback(tracker), TrackingShutdown(tracker)]

@@ -82,6 +82,9 @@ def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
 
 
 def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
+    """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
+    checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
+    model in its last checkpoint and the summary in its storage, and a warning says so."""
     from training.cost import cluster_config_path, estimate_params
 
     cluster_config = cluster_config_path(job.tracking.cluster_config)
@@ -92,25 +95,40 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
         except Exception as exc:  # an estimate must never fail a finished run
             log(f"warning: no cost estimate from {cluster_config}: {exc}")
         else:
-            if tracker.run_id is not None:
-                for key, value in summary.extra["cost"].items():
-                    tracker.client.log_metric(tracker.run_id, key, value)
+            tracker.log_metrics(summary.extra["cost"], step=0)
+    summary_uri = storage.join(summary.run_dir, "summary.json")
+    # A machine-readable result next to the checkpoints, with or without tracking; written first so
+    # that it is there whatever happens to MLflow, and again once the model is logged.
+    storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
     if result.checkpoint is not None and tracker.run_id is not None:
-        model = load_final_model(job, manifest, result.checkpoint)
-        logged = log_model(job, manifest, model, tracker)
-        summary.registered_model = logged["registered_model"]
-        summary.extra.update(logged)
-        with tempfile.TemporaryDirectory() as tmp:
-            plot = Path(tmp) / "learning_curve.png"
-            if plot_learning_curves(tracker, summary.name, plot):
-                tracker.client.log_artifact(tracker.run_id, str(plot), "plots")
-            (Path(tmp) / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2, default=str))
-            tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "summary.json"))
-    # A machine-readable result next to the checkpoints, with or without tracking.
-    storage.write_text(storage.join(summary.run_dir, "summary.json"),
-                       json.dumps(summary_dict(summary), indent=2, default=str))
+        if not tracker.catch_up():  # the metrics first (the plot reads them back), and is MLflow there?
+            summary.extra["mlflow_model_logged"] = False
+            log(f"warning: MLflow at {tracker.tracking_uri} is unreachable: the final model is not logged or "
+                f"registered there; it is in the checkpoint {summary.checkpoint_path}, the summary in {summary_uri}")
+        else:
+            try:
+                log_final_artifacts(job, manifest, result, tracker, summary)
+            except Exception as exc:
+                summary.extra["mlflow_model_logged"] = False
+                log(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
+                    f"({type(exc).__name__}: {str(exc)[:300]}); it is in the checkpoint {summary.checkpoint_path}, "
+                    f"the summary in {summary_uri}")
+        storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
     for line in summary_lines(summary):
         log(line)
+
+
+def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary) -> None:
+    model = load_final_model(job, manifest, result.checkpoint)
+    logged = log_model(job, manifest, model, tracker)
+    summary.registered_model = logged["registered_model"]
+    summary.extra.update(logged)
+    with tempfile.TemporaryDirectory() as tmp:
+        plot = Path(tmp) / "learning_curve.png"
+        if plot_learning_curves(tracker, summary.name, plot):
+            tracker.client.log_artifact(tracker.run_id, str(plot), "plots")
+        (Path(tmp) / "summary.json").write_text(json.dumps(summary_dict(summary), indent=2, default=str))
+        tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "summary.json"))
 
 
 def summary_dict(summary) -> dict:

@@ -209,7 +209,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
 
 def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
                     run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
-    from training.tracking import MlflowTracker, NullTracker
+    from training.tracking import MlflowTracker, NullTracker, replay_backlogs
 
     if not job.tracking.enabled:
         return NullTracker()
@@ -225,10 +225,12 @@ def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], nam
                           "set tracking.tracking_uri to the original to resume it")
     try:
         tracker = MlflowTracker.start(paths.tracking_uri, job.tracking.experiment, name, run_id, tags,
-                                      config_lib.flatten(job), artifact_location=_artifact_location(paths, job))
+                                      config_lib.flatten(job), artifact_location=_artifact_location(paths, job),
+                                      run_dir=paths.run_dir)
     except Exception as exc:
         raise UserError(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}") from None
     tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
+    replay_backlogs(paths.storage_path, tracker)  # what MLflow missed while it was away, this run's included
     return tracker
 
 
@@ -247,7 +249,7 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from training.callback import RunCallback
+    from training.callback import run_callbacks
     from training.loop import train_loop_per_worker
     from training.plugins import plugin_module_paths
 
@@ -282,7 +284,7 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep,
                                                          checkpoint_score_attribute=job.checkpoint.score_metric,
                                                          checkpoint_score_order=job.checkpoint.score_mode),
-            callbacks=[RunCallback(tracker), *callbacks], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
+            callbacks=[*run_callbacks(tracker), *callbacks], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
         seeded = {"initial_checkpoint": initial_checkpoint} if initial_checkpoint else {}
         trainer = TorchTrainer(train_loop_per_worker,
                                train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root, **seeded},
