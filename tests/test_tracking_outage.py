@@ -280,6 +280,19 @@ def test_a_local_store_gets_every_metric_once_and_the_final_status(tmp_path):
     assert not (tmp_path / "runs" / "local" / BACKLOG_FILE).exists()
 
 
+def test_the_controller_gets_one_tracker_for_both_callbacks():
+    """The callbacks travel to the Train controller in one pickle: the one that closes the tracker
+    at the end must close the tracker the reports were queued on."""
+    import ray.cloudpickle
+
+    from training.callback import run_callbacks
+
+    report, shutdown = ray.cloudpickle.loads(ray.cloudpickle.dumps(
+        run_callbacks(MlflowTracker("http://127.0.0.1:1", "run", "/tmp/runs/r", FAST))))
+    assert report.tracker is shutdown.tracker and report.tracker.policy == FAST
+    assert [FAST.backoff_s(n) for n in (1, 2, 3, 4, 9)] == [0.2, 0.4, 0.8, 1.0, 1.0]
+
+
 def test_unreachable_mlflow_at_start_is_a_user_error_and_starts_nothing(workdir):
     from training.errors import UserError
     from training.run import run_training
