@@ -48,6 +48,29 @@ def test_checkpoint_of_another_format_is_refused(tmp_path):
         ckpt.load(tmp_path / "missing")
 
 
+def _save_tiny(directory, step):
+    directory.mkdir(parents=True)
+    ckpt.save(directory, model_state={"w": torch.ones(1000)}, optimizer_state={}, scheduler_state={},
+              loop=ckpt.LoopState(step=step), config={"seed": 0}, steps_per_epoch=10, world_size=1, metrics={})
+
+
+def test_the_newest_complete_checkpoint_is_found_and_cut_short_ones_never(tmp_path):
+    import pyarrow.fs as pafs
+
+    fs, run = pafs.LocalFileSystem(), tmp_path / "run"
+    for step in (20, 30, 40, 50):
+        _save_tiny(run / ckpt.checkpoint_dir_name(step), step)
+    state = run / ckpt.checkpoint_dir_name(50) / ckpt.STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])  # upload cut short: state.pt truncated
+    (run / ckpt.checkpoint_dir_name(40) / ckpt.META_FILE).unlink()  # meta.json not there yet
+    (run / ckpt.checkpoint_dir_name(30) / ckpt.META_FILE).write_text('{"format_ver')  # meta.json cut short
+    (run / "checkpoint-tmp").mkdir()  # not a checkpoint name
+    assert ckpt.newest_complete(fs, str(run)) == (20, str(run / ckpt.checkpoint_dir_name(20)))
+    assert ckpt.newest_complete(fs, str(run), newer_than=20) is None
+    assert ckpt.newest_complete(fs, str(tmp_path / "no-such-run")) is None
+    assert ckpt.step_of("/x/checkpoint-00000123/") == 123 and ckpt.step_of("checkpoint_000001") is None
+
+
 def test_step_seed_depends_on_seed_step_and_rank():
     seeds = {ckpt.step_seed(s, t, r) for s in (0, 1) for t in (0, 1, 2) for r in (0, 1)}
     assert len(seeds) == 12 and ckpt.step_seed(0, 5, 1) == ckpt.step_seed(0, 5, 1)

@@ -17,7 +17,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback  # Deve
 
 from training.tracking import NullTracker
 
-_SKIP = {"step", "total_steps", "worker_start_time", "first_step_time"}
+_SKIP = {"step", "total_steps"}
 
 
 def progress_line(metrics: dict, eta_s: float | None) -> str:
@@ -35,9 +35,11 @@ def progress_line(metrics: dict, eta_s: float | None) -> str:
 
 
 class RunCallback(ray.train.UserCallback):
-    def __init__(self, tracker=None):
+    def __init__(self, tracker=None, logged_through_step: int = -1):
         self.tracker = tracker or NullTracker()
         self._last: tuple[float, int] | None = None
+        # Steps redone after a restart were logged already: MLflow gets each step once.
+        self.logged_through_step = logged_through_step
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         latest = metrics[0]  # rank 0's: every metric is already reduced across workers
@@ -48,7 +50,9 @@ class RunCallback(ray.train.UserCallback):
             seconds_per_step = (now - self._last[0]) / (step - self._last[1])
             eta = seconds_per_step * (int(latest.get("total_steps", step)) - step)
         self._last = (now, step)
-        self.tracker.log_metrics({k: v for k, v in latest.items() if k not in _SKIP}, step)
+        if step > self.logged_through_step:
+            self.tracker.log_metrics({k: v for k, v in latest.items() if k not in _SKIP}, step)
+            self.logged_through_step = step
         if checkpoint is not None:
             self.tracker.on_checkpoint()
         line = progress_line(latest, eta)
@@ -79,8 +83,8 @@ class TrackingShutdown(ControllerCallback):
         self.tracker.close(0.0)
 
 
-def run_callbacks(tracker=None) -> list:
+def run_callbacks(tracker=None, logged_through_step: int = -1) -> list:
     """The callbacks of a run's RunConfig. They share one tracker (pickled together, so the
     controller gets one copy of it)."""
     tracker = tracker or NullTracker()
-    return [RunCallback(tracker), TrackingShutdown(tracker)]
+    return [RunCallback(tracker, logged_through_step), TrackingShutdown(tracker)]

@@ -89,6 +89,9 @@ class ScalingConfig(_Section):
     use_gpu: Union[bool, Literal["auto"]] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    # Elastic runs: how often Ray Train checks whether more workers fit (each grow is a restart
+    # from the latest checkpoint, so not too often).
+    resize_check_interval_s: float = Field(60.0, ge=0)
 
     @field_validator("num_workers")
     @classmethod

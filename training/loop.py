@@ -13,20 +13,25 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray.train
+import ray.train.collective
 import ray.train.torch
 from ray.train import CheckpointUploadMode
+from ray.train.v2._internal.constants import DEFAULT_PREEMPTION_DEADLINE_S
 import torch
 import torch.distributed as dist
 
 from training import checkpoint as ckpt
+from training import storage
 from training.config import JobConfig, OptimConfig
 from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
 from training.data.prepare import Manifest
 from training.models import build_model
 from training.tasks import forward_loss, units_per_sample, validation_metrics
+from training.upload import upload_fn
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -55,6 +60,14 @@ def total_steps_of(job: JobConfig, steps_per_epoch: int) -> int:
     return max(1, int(round(job.train.epochs * steps_per_epoch)))
 
 
+def seed_all(seed: int, device: torch.device) -> None:
+    """Seed the generators a step draws from; torch.manual_seed does the same for every device
+    type at ~100 us a call, which shows in a loop of millisecond steps."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+
 def _sum_across_workers(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -75,7 +88,7 @@ def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, d
     for start in range(0, count, batch_size):
         batch = {k: v[start:start + batch_size].to(device) for k, v in rows.items()}
         with autocast:
-            batch_loss, batch_units, batch_correct = forward_loss(task, model, batch)
+            batch_loss, batch_units, batch_correct = forward_loss(task, model, batch, count_correct=True)
         loss_sum += batch_loss.item()
         units += batch_units
         correct += batch_correct.item()
@@ -109,7 +122,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(job.optim, total_steps))
     loop = ckpt.LoopState()
 
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = restore_point(loop_config)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = ckpt.load(directory)
@@ -118,8 +131,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         scheduler.load_state_dict(state["scheduler"])
         loop = state["loop"]
         if rank == 0:
-            print(f"resumed from step {loop.step} with {world_size} workers")
+            print(f"resumed from step {loop.step} with {world_size} workers ({checkpoint.path})")
 
+    start_step = loop.step  # where this worker group took over (steps redone after a failure)
     ddp_model = ray.train.torch.prepare_model(model)
     is_ddp = ddp_model is not model
     window_loss = window_units = window_steps = 0.0
@@ -127,17 +141,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
     val_metrics: dict = {}
     first_step_done = None
     checkpoint_cost: dict = {}
+    preemption: Preemption | None = None
+    upload_checkpoint = upload_fn(loop_config["run_dir"])  # meta.json last, storage errors retried
 
     while loop.step < total_steps and not loop.stopped_early:
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
-        torch.manual_seed(ckpt.step_seed(job.seed, loop.step, rank))  # dropout: a function of the step
+        seed_all(ckpt.step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
             sync = index == len(micro_batches) - 1
             with (nullcontext() if sync or not is_ddp else ddp_model.no_sync()), autocast:
                 loss_sum, units, _ = forward_loss(task, ddp_model, {k: v[part] for k, v in batch.items()})
             (loss_sum * loss_scale).backward()
-            window_loss += loss_sum.item()
+            window_loss += loss_sum.detach()  # a tensor: no device sync per step
             window_units += units
         if job.optim.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip_norm)
@@ -159,9 +175,22 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # Rank 0's clock decides for all, through the same all-reduce that sums the losses,
         # so every worker makes the same choice and calls report the same number of times.
         elapsed = time.perf_counter() - window_start if rank == 0 else 0.0
-        loss_total, units_total, elapsed = _sum_across_workers([window_loss, window_units, elapsed], device)
-        if not eval_due and elapsed < job.train.min_report_interval_s:
+        final_wanted = float(rank == 0 and preemption is not None and preemption.final_save_due())
+        loss_total, units_total, elapsed, final_save = _sum_across_workers(
+            [float(window_loss), window_units, elapsed, final_wanted], device)
+        final_save = final_save > 0
+        if not (eval_due or final_save) and elapsed < job.train.min_report_interval_s:
             continue
+        # A node holding a worker is being drained for preemption: checkpoint now rather than at
+        # the next interval, and once more just before the deadline (see Preemption). Every worker
+        # asks at every report: it is a collective.
+        notice = ray.train.get_preemption_info()
+        fresh_notice = notice is not None and (preemption is None or preemption.key != Preemption.key_of(notice))
+        if fresh_notice:
+            preemption = Preemption.of(notice)
+        if fresh_notice or final_save:
+            checkpoint_due = True
+            eval_due = eval_due or not val_metrics  # a scored checkpoint needs the score metric
         samples_per_s = window_steps * job.train.global_batch_size / elapsed
         metrics = {"step": loop.step, "epoch": loop.step / train_data.steps_per_epoch,
                    "train_loss": loss_total / units_total, "samples_per_s": samples_per_s,
@@ -169,14 +198,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
                    # wall clock (rank 0) for throughput over any span, and when this worker group
                    # started and finished its first step (cold start, recovery time)
                    "wall_time": time.time(), "worker_start_time": worker_start,
-                   "first_step_time": first_step_done}
+                   "first_step_time": first_step_done, "start_step": start_step}
         if task == "language_model":
             metrics["tokens_per_s"] = samples_per_s * manifest.spec["seq_len"]
         if eval_due:
             val_metrics = evaluate(model, task, val_rows, job.train.micro_batch_size or 256, device, autocast)
             _update_early_stopping(job, loop, val_metrics)
             checkpoint_due = checkpoint_due or loop.stopped_early
-        metrics.update(val_metrics)
+        if checkpoint_due or eval_due:  # (a scored checkpoint carries the latest validation metrics)
+            metrics.update(val_metrics)
+        if fresh_notice or final_save:
+            metrics["preemption_checkpoint_step"] = loop.step
 
         metrics.update(checkpoint_cost)
         if checkpoint_due and rank == 0:
@@ -185,7 +217,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
                       scheduler_state=scheduler.state_dict(), loop=loop, config=job.model_dump(mode="json"),
                       steps_per_epoch=train_data.steps_per_epoch, world_size=world_size, metrics=metrics)
-            asynchronous = job.checkpoint.upload == "async"
+            # Before a preemption deadline, a checkpoint counts only once it is uploaded.
+            asynchronous = job.checkpoint.upload == "async" and not (fresh_notice or final_save)
             saved_s = time.perf_counter() - save_start
             size = sum(f.stat().st_size for f in Path(directory).iterdir())
             try:
@@ -193,7 +226,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                     metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                     checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step),
                     checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
-                    delete_local_checkpoint_after_upload=asynchronous)
+                    delete_local_checkpoint_after_upload=asynchronous, checkpoint_upload_fn=upload_checkpoint)
             finally:
                 if not asynchronous:
                     shutil.rmtree(directory, ignore_errors=True)
@@ -202,8 +235,78 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                "checkpoint_blocking_s": time.perf_counter() - save_start}
         else:
             ray.train.report(metrics)
+        if fresh_notice and rank == 0:
+            preemption.plan_final_save(checkpoint_cost["checkpoint_blocking_s"])
+            print(f"preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+                  f"(ranks {notice.preempted_ranks}, {preemption.deadline_s - time.time():.0f} s left): "
+                  f"checkpoint saved at step {loop.step}; the final one {preemption.margin_s:.0f} s before the deadline",
+                  flush=True)
+        if final_save:
+            if rank == 0:
+                print(f"preemption deadline near: checkpoint saved at step {loop.step}; waiting for the restart",
+                      flush=True)
+            preemption.hold()  # steps taken now would be lost: wait for Ray Train to restart the group
         window_loss = window_units = window_steps = 0.0
         window_start = time.perf_counter()
+
+
+@dataclass
+class Preemption:
+    """A node of this run is being drained for preemption. The run checkpoints at once (in case
+    the node goes early), keeps training, checkpoints again `margin_s` before the deadline and then
+    waits for Ray Train to restart the group without the node: no finished step is lost."""
+
+    key: tuple
+    deadline_s: float
+    margin_s: float = 10.0
+    final_saved: bool = False
+
+    @staticmethod
+    def key_of(notice) -> tuple:
+        return notice.deadline_ms, tuple(notice.preempted_node_ids)
+
+    @classmethod
+    def of(cls, notice) -> "Preemption":
+        # Without a deadline Ray Train waits its default before restarting.
+        deadline_s = notice.deadline_ms / 1000 if notice.deadline_ms else time.time() + DEFAULT_PREEMPTION_DEADLINE_S
+        return cls(cls.key_of(notice), deadline_s)
+
+    def plan_final_save(self, save_s: float) -> None:
+        self.margin_s = max(10.0, 3 * save_s)
+
+    def final_save_due(self) -> bool:
+        return not self.final_saved and time.time() >= self.deadline_s - self.margin_s
+
+    def hold(self, poll_s: float = 0.5, after_deadline_s: float = 60.0) -> None:
+        self.final_saved = True
+        while time.time() < self.deadline_s + after_deadline_s:  # the restart comes at the deadline
+            time.sleep(poll_s)
+
+
+def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
+    """The checkpoint to continue from, the same on every worker: the newest complete one in the
+    run's directory, even if Ray Train has not registered it yet; else the one Ray Train reports;
+    else `initial_checkpoint` (a run seeded from another run's checkpoint); else none."""
+    choice = None
+    if ray.train.get_context().get_world_rank() == 0:
+        registered = ray.train.get_checkpoint()
+        registered_step = ckpt.step_of(registered.path) if registered is not None else None
+        fs, run_dir = storage.filesystem(loop_config["run_dir"])
+        newer = ckpt.newest_complete(fs, run_dir, newer_than=registered_step if registered_step is not None else -1)
+        if newer is not None and (registered is None or registered_step is not None):
+            choice = ("path", loop_config["run_dir"].rstrip("/") + "/" + newer[1].rsplit("/", 1)[-1])
+        elif registered is not None:
+            choice = ("registered", None)
+        elif loop_config.get("initial_checkpoint"):
+            choice = ("path", loop_config["initial_checkpoint"])
+    # One worker decides (an upload may complete between two workers' looks) and tells the others.
+    kind, uri = ray.train.collective.broadcast_from_rank_zero(choice) or (None, None)
+    if kind == "registered":
+        return ray.train.get_checkpoint()
+    if kind == "path":
+        fs, path = storage.filesystem(uri)
+        return ray.train.Checkpoint(path, filesystem=fs)
+    return None
 
 
 def _quiet_report_logs() -> None:

@@ -156,7 +156,11 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     name = job.name or default_run_name(config_path)
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
-    record = read_run_record(paths)
+    try:
+        record = read_run_record(paths)
+    except OSError as exc:
+        raise UserError(f"checkpoint.storage_path {paths.storage_path} is not reachable: "
+                        f"{str(exc).splitlines()[0][:300]}") from None
     if record is not None:
         check_resumable(job, record, name)
 
@@ -256,6 +260,8 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
     # The Train controller takes at most one report per worker per poll; poll more often than
     # the default 2 s so that reports do not stall fast steps (read by the controller at start).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # A preemption notice gives about two minutes: notice it within a second, not five.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     started_ray = False
     if not ray.is_initialized():
         # Plug-in modules outside installed packages travel to every node with the job. (A submitted
@@ -276,7 +282,8 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
             num_workers=job.scaling.num_workers if isinstance(job.scaling.num_workers, int)
             else tuple(job.scaling.num_workers),
             use_gpu=use_gpu, resources_per_worker={"CPU": job.scaling.cpus_per_worker, **job.scaling.resources_per_worker,
-                                                   **({"GPU": 1} if use_gpu else {})})
+                                                   **({"GPU": 1} if use_gpu else {})},
+            elastic_resize_monitor_interval_s=job.scaling.resize_check_interval_s)
         run_config = ray.train.RunConfig(
             name=name, storage_path=paths.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=job.failure.max_failures,
@@ -284,10 +291,11 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep,
                                                          checkpoint_score_attribute=job.checkpoint.score_metric,
                                                          checkpoint_score_order=job.checkpoint.score_mode),
-            callbacks=[*run_callbacks(tracker), *callbacks], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
+            callbacks=[*run_callbacks(tracker, tracker.last_step("train_loss")), *callbacks], logging_config=ray.train.LoggingConfig(log_level="WARNING"))
         seeded = {"initial_checkpoint": initial_checkpoint} if initial_checkpoint else {}
         trainer = TorchTrainer(train_loop_per_worker,
-                               train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root, **seeded},
+                               train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest.root,
+                                                  "run_dir": paths.run_dir, **seeded},
                                scaling_config=scaling, run_config=run_config)
         try:
             return trainer.fit()

@@ -20,14 +20,16 @@ def model_input(task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["x"] if task == "classification" else batch["tokens"][:, :-1]
 
 
-def forward_loss(task: str, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, torch.Tensor]:
+def forward_loss(task: str, model, batch: dict[str, torch.Tensor],
+                 count_correct: bool = False) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Summed loss, units, and (for evaluation) correct predictions; training skips the argmax."""
     if task == "classification":
         logits, targets = model(batch["x"]), batch["y"]
     else:
         logits, targets = model(batch["tokens"][:, :-1]), batch["tokens"][:, 1:]
         logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
-    correct = (logits.argmax(dim=-1) == targets).sum()
+    correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else None
     return loss_sum, targets.numel(), correct
 
 

@@ -57,6 +57,9 @@ class NullTracker:
     def finish(self, status: str) -> None:
         pass
 
+    def last_step(self, key: str) -> int:
+        return -1
+
 
 @dataclass(frozen=True)
 class SendPolicy:
@@ -106,6 +109,13 @@ class MlflowTracker:
 
             self._client = MlflowClient(self.tracking_uri)
         return self._client
+
+    def last_step(self, key: str) -> int:
+        """The last step at which `key` was logged (-1 if none or MLflow does not answer)."""
+        try:
+            return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+        except Exception:
+            return -1
 
     @property
     def backlog_uri(self) -> Optional[str]:

@@ -1,0 +1,74 @@
+"""Chaos: the driver dies (laptop closed, job killed). Running the same command with the same run
+name resumes from the latest checkpoint and continues the same MLflow run, each step logged once."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CONFIGS
+
+pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
+
+COMMAND = [sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "laptop",
+           "--set", "train.max_steps=3000", "--set", "checkpoint.every_n_steps=100",
+           "--set", "train.eval_every_n_steps=500", "--set", "train.global_batch_size=32",
+           "--set", "scaling.num_workers=1", "--set", "tracking.register_model=false"]
+
+
+def environment(base):
+    return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(base),
+            "TRAINING_BASE_DIR": str(base), "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
+
+def kill_everything_started_under(base):
+    """The killed driver's Ray processes, if any outlived it (found by the environment they inherited)."""
+    import psutil
+
+    marker = f"TRAINING_BASE_DIR={base}"
+    for process in psutil.process_iter():
+        try:
+            if marker in "\0".join(f"{k}={v}" for k, v in process.environ().items()):
+                process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
+    import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
+
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(COMMAND, cwd=tmp_path, env=environment(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    run_dir = tmp_path / "runs" / "laptop"
+    deadline = time.monotonic() + 300
+    try:
+        while not (run_dir / "checkpoint-00001000" / "meta.json").exists():
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 1000"
+            time.sleep(0.2)
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and everything in its session, at once
+        first.wait(timeout=30)
+    finally:
+        kill_everything_started_under(tmp_path)
+    killed_at = max(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if (p / "meta.json").exists())
+
+    second = subprocess.run(COMMAND, cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True,
+                            timeout=600)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    assert "run laptop: resuming" in output and "run laptop finished: 3000 steps" in output
+    resumed = [line for line in output.splitlines() if "resumed from step" in line]
+    assert resumed and int(resumed[0].split("resumed from step ")[1].split()[0]) >= killed_at
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert steps == sorted(set(steps)), "a step logged twice"  # continuing by step
+    assert steps[0] <= 200 and steps[-1] == 3000

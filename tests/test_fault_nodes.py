@@ -1,0 +1,163 @@
+"""Chaos on a multi-node local cluster (`ray.cluster_utils.Cluster`): a lost node shrinks an
+elastic run and a returning node grows it again, with the global batch unchanged; a node drained
+for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import CONFIGS
+from training import checkpoint as ckpt
+from training import config as config_lib
+from training.run import run_training
+
+pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
+
+COMMON = ["train.global_batch_size=32", "train.log_every_n_steps=10", "train.min_report_interval_s=0",
+          "scaling.cpus_per_worker=1", "train.torch_threads=1", "tracking.register_model=false"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def ensure_two_nodes(cluster):
+    import ray
+
+    if len([n for n in ray.nodes() if n["Alive"]]) < 2:
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+
+
+def checkpoints(run_dir):
+    """step -> meta of every complete checkpoint in the run directory."""
+    import pyarrow.fs as pafs
+
+    found = {}
+    for path in sorted(run_dir.glob("checkpoint-*")):
+        if ckpt.is_complete(pafs.LocalFileSystem(), str(path)):
+            found[ckpt.step_of(path.name)] = json.loads((path / ckpt.META_FILE).read_text())
+    return found
+
+
+def wait_for(predicate, what, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_in_thread(job):
+    outcome = {}
+
+    def target():
+        try:
+            outcome["summary"] = run_training(job, log=print)
+        except BaseException as exc:  # surfaced by the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def loss_history(workdir, name):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
+                                filter_string=f"tags.`training.run_name` = '{name}'")
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}, run
+
+
+def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
+    ensure_two_nodes(cluster)
+    steps = ["train.max_steps=2400", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200"]
+    fixed = run_training(config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + ["scaling.num_workers=2"],
+                                         name="fixed"), log=print)
+    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
+        "scaling.num_workers=[1,2]", "scaling.resize_check_interval_s=2", "failure.max_failures=3"], name="elastic")
+    run_dir = workdir / "runs" / "elastic"
+    thread, outcome = run_in_thread(job)
+
+    wait_for(lambda: any(m["world_size"] == 2 for m in checkpoints(run_dir).values()), "a checkpoint at 2 workers")
+    (worker_node,) = [node for node in cluster.worker_nodes]
+    cluster.remove_node(worker_node)
+    shrunk = wait_for(lambda: [s for s, m in checkpoints(run_dir).items() if m["world_size"] == 1],
+                      "a checkpoint at 1 worker")
+    cluster.add_node(num_cpus=1)
+    wait_for(lambda: [s for s, m in checkpoints(run_dir).items() if m["world_size"] == 2 and s > min(shrunk)],
+             "a checkpoint at 2 workers again")
+    thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"].steps == 2400
+
+    # One global batch of 32 at every world size: the same data order, so the same loss curve
+    # (up to float summation order, which differs with the number of workers).
+    expected, _ = loss_history(workdir, "fixed")
+    actual, run = loss_history(workdir, "elastic")
+    sizes = {int(m.value) for m in __import__("mlflow").tracking.MlflowClient(
+        f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, "world_size")}
+    assert sizes == {1, 2}
+    late = [s for s in expected if s > 1200 and s in actual]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert abs(mean([actual[s] for s in late]) - mean([expected[s] for s in late])) < 0.1 * mean([expected[s] for s in late]) + 0.01
+    assert abs(outcome["summary"].metrics["val_accuracy"] - fixed.metrics["val_accuracy"]) < 0.03
+
+
+def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    ensure_two_nodes(cluster)
+    # max_failures=0: a preemption must not count as a failure.
+    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
+        "train.max_steps=1500", "checkpoint.every_n_steps=1000", "train.eval_every_n_steps=1000",
+        "scaling.num_workers=[1,2]", "scaling.resize_check_interval_s=600", "failure.max_failures=0",
+        "checkpoint.keep=10"], name="spot")
+    run_dir = workdir / "runs" / "spot"
+    thread, outcome = run_in_thread(job)
+    wait_for(lambda: (run_dir / "run.json").exists() and ray.available_resources().get("CPU", 0) == 0,
+             "2 training workers placed")
+    time.sleep(3)  # training, before the regular checkpoint at 1000
+    (worker_node,) = [node for node in cluster.worker_nodes]
+    accepted, message = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        worker_node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot interruption", int(time.time() * 1000) + 20_000)  # a 20 s notice
+    assert accepted, message
+    thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"].steps == 1500
+    output = capfd.readouterr()
+    text = output.out + output.err
+    (workdir / "output.txt").write_text(text)  # for a look when something below fails
+    assert "preemption notice" in text and "preemption deadline near" in text
+
+    # The notice's checkpoint, then the final one before the deadline; the run resumed from the
+    # final one on the remaining node, and no step was taken after it by the old group.
+    saved = sorted(s for s, m in checkpoints(run_dir).items() if "preemption_checkpoint_step" in m["metrics"])
+    assert len(saved) == 2 and all(s % 1000 for s in saved), saved
+    assert f"resumed from step {saved[-1]} with 1 workers" in text
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    _, run = loss_history(workdir, "spot")
+    sizes = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, "world_size")}
+    assert max(step for step, size in sizes.items() if size == 2) == saved[-1]
+    assert min(step for step, size in sizes.items() if size == 1) > saved[-1]

@@ -1,0 +1,137 @@
+"""Checkpoints on S3 (moto_server on loopback): a training run writes and resumes from them; an
+upload that meets a storage outage retries with backoff until the endpoint is back; storage that
+cannot be reached fails the command before anything starts."""
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow.fs as pafs
+import pytest
+
+from aws import free_port, moto_server, s3_env
+from conftest import CONFIGS
+from training import checkpoint as ckpt
+from training import config as config_lib
+from training.upload import RetryPolicy, upload, with_retries
+
+
+def create_bucket(endpoint, name):
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+
+
+def saved_checkpoint(directory, step):
+    import torch
+
+    directory.mkdir()
+    ckpt.save(directory, model_state={"w": torch.ones(10_000)}, optimizer_state={}, scheduler_state={},
+              loop=ckpt.LoopState(step=step), config={"seed": 0}, steps_per_epoch=10, world_size=1, metrics={})
+    return directory
+
+
+def test_an_upload_retries_through_a_storage_outage(tmp_path, monkeypatch, caplog):
+    port = free_port()
+    for key, value in s3_env(f"http://127.0.0.1:{port}").items():
+        monkeypatch.setenv(key, value)
+    local = saved_checkpoint(tmp_path / "local", 20)
+    outcome = {}
+
+    def target():
+        try:
+            outcome["result"] = upload(local, "s3://ckpts/runs/r", "checkpoint-00000020",
+                                       RetryPolicy(attempts=8, first_delay_s=1, max_delay_s=2))
+        except Exception as exc:
+            outcome["error"] = exc
+
+    caplog.set_level(logging.WARNING, logger="training.upload")
+    uploader = threading.Thread(target=target)
+    uploader.start()  # nothing listens on the endpoint yet
+    time.sleep(14)  # longer than pyarrow's own retries (about 6 s per request)
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                create_bucket(f"http://127.0.0.1:{port}", "ckpts")
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.2)
+        uploader.join(timeout=60)
+        assert "error" not in outcome, outcome.get("error")
+        fs, path = outcome["result"]
+        assert path == "ckpts/runs/r/checkpoint-00000020" and ckpt.is_complete(fs, path)
+        assert any("retry 1 of 7" in record.getMessage() for record in caplog.records)  # logged
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_retries_back_off_then_give_up_with_the_cause():
+    calls, slept = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("connection reset")
+
+    with_retries(flaky, "uploading", RetryPolicy(attempts=5, first_delay_s=1, max_delay_s=3), sleep=slept.append)
+    assert len(calls) == 3 and slept == [1, 2]
+
+    def broken():
+        raise OSError("no route to host")
+
+    with pytest.raises(OSError, match="uploading failed 4 times; giving up: no route to host"):
+        with_retries(broken, "uploading", RetryPolicy(attempts=4, first_delay_s=1, max_delay_s=3), sleep=slept.append)
+    assert slept[2:] == [1, 2, 3]
+
+
+def test_unreachable_storage_fails_fast_with_exit_2_and_nothing_started(tmp_path):
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(tmp_path),
+           **s3_env(f"http://127.0.0.1:{free_port()}")}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"),
+                             "--set", "checkpoint.storage_path=s3://nowhere/runs",
+                             "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "checkpoint.storage_path s3://nowhere/runs is not reachable" in result.stderr
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "mlflow.db").exists() and "Ray" not in result.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_training_checkpoints_to_s3_and_resumes_from_them(tmp_path, monkeypatch):
+    import ray
+
+    from training.run import run_training
+
+    monkeypatch.setenv("TRAINING_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with moto_server() as endpoint:
+        for key, value in s3_env(endpoint).items():
+            monkeypatch.setenv(key, value)
+        create_bucket(endpoint, "ckpts")
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(address="local", num_cpus=2)  # started here, so its workers see the endpoint
+        try:
+            overrides = ["checkpoint.storage_path=s3://ckpts/runs", "train.eval_every_n_steps=20",
+                         "checkpoint.every_n_steps=20", "scaling.num_workers=1", "tracking.register_model=false"]
+            first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="s3run"))
+            second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=60"], name="s3run"))
+        finally:
+            ray.shutdown()
+        assert first.steps == 40 and second.steps == 60 and second.resumed
+        fs, _ = pafs.FileSystem.from_uri("s3://ckpts/runs")
+        names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("ckpts/runs/s3run"))}
+        assert {"run.json", "checkpoint-00000060"} <= names
+        assert ckpt.is_complete(fs, "ckpts/runs/s3run/checkpoint-00000060")
+        assert ckpt.newest_complete(fs, "ckpts/runs/s3run")[0] == 60
