@@ -44,13 +44,12 @@ def main(argv=None) -> int:
                 results["rows"]["data_path"] = rows.data_path(args.quick, rates)
             if "gpu" in wanted:
                 results["rows"]["gpu"] = rows.gpu(args.quick)
+            if "recovery" in wanted:
+                results["rows"]["recovery"] = rows.recovery(args.quick)
             if "sweep" in wanted:
                 results["rows"]["sweep"] = rows.sweep(args.quick)
         finally:
             ray.shutdown()
-    for pending in ("recovery", "sweep"):
-        if pending in wanted and pending not in results["rows"]:
-            results["rows"][pending] = {"skipped": "measured once the fault-tolerance and tuning features land"}
     results["ratios"] = ratios(results["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +73,8 @@ def ratios(rows_: dict) -> dict:
         found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]
         if value["loader_vs_training_consumption"] is not None:
             found[f"data_loader_vs_training_{task}"] = value["loader_vs_training_consumption"]
+    if rows_.get("recovery", {}).get("efficiency") is not None:
+        found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
     if rows_.get("sweep", {}).get("steps_to_target_ratio") is not None:
         found["sweep_asha_vs_random_steps_to_target"] = rows_["sweep"]["steps_to_target_ratio"]
     return found

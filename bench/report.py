@@ -44,6 +44,12 @@ def markdown(results: dict) -> str:
         v = r.get(name)
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
+        elif name == "recovery" and v:
+            lines.append(f"| recovery | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
+                         f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
+                         f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency | digits, 2 "
+                         f"workers, {v['steps']} steps with a worker SIGKILLed every {v['failure_every_s']:.0f} s "
+                         f"({v['kills']} kills) vs the same run without failures: wall-time ratio |")
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
                              for s in v["seeds"])

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from bench.common import (CONFIGS, REPO, median, run_baseline, run_service, service_job,
                           steady_samples_per_s)
+from bench.recovery import recovery  # noqa: F401  (the recovery row: a worker killed every 60 s)
 from bench.sweep import sweep  # noqa: F401  (the sweep row: ASHA vs random search)
 
 # task -> (config, model options used by both the service and the baseline)
@@ -41,22 +42,24 @@ def overhead(quick: bool) -> dict:
     steps = {"digits": 40 if quick else 600, "tinylm": 12 if quick else 120}
     repeats = 1 if quick else 2
     row = {}
-    for task, (config, model_options) in TASKS.items():
-        for workers in (2, 1):
-            n = steps[task]
-            warmup = max(2, n // 5)
-            service, baseline = [], []
-            for repeat in range(repeats):
-                job = service_job(config, _throughput_overrides(n, workers, quick), f"overhead-{task}-{workers}-{repeat}")
-                summary, history = run_service(job)
-                service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
-                manifest = prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None)
-                baseline.append(run_baseline(manifest.root, job.model.name, model_options, n, warmup,
-                                             job.train.global_batch_size, workers))
-            key = f"{task}_{workers}w"
-            row[key] = {"service_samples_per_s": median(service), "baseline_samples_per_s": median(baseline),
-                        "overhead_ratio": median(service) / median(baseline), "steps": n,
-                        "baseline": "torchrun DDP (gloo)" if workers > 1 else "plain single-process loop"}
+    # Quick mode checks the harness: one multi-worker and one single-worker case.
+    cases = [("digits", 2), ("tinylm", 1)] if quick else [(task, workers) for task in TASKS for workers in (2, 1)]
+    for task, workers in cases:
+        config, model_options = TASKS[task]
+        n = steps[task]
+        warmup = max(2, n // 5)
+        service, baseline = [], []
+        for repeat in range(repeats):
+            job = service_job(config, _throughput_overrides(n, workers, quick), f"overhead-{task}-{workers}-{repeat}")
+            summary, history = run_service(job)
+            service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
+            manifest = prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None)
+            baseline.append(run_baseline(manifest.root, job.model.name, model_options, n, warmup,
+                                         job.train.global_batch_size, workers))
+        key = f"{task}_{workers}w"
+        row[key] = {"service_samples_per_s": median(service), "baseline_samples_per_s": median(baseline),
+                    "overhead_ratio": median(service) / median(baseline), "steps": n,
+                    "baseline": "torchrun DDP (gloo)" if workers > 1 else "plain single-process loop"}
     return row
 
 

@@ -19,7 +19,8 @@ def test_quick_bench_runs_every_row(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["rows"]
     assert {"cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "gpu"} <= set(rows)
-    assert set(rows["overhead"]) == {"digits_2w", "digits_1w", "tinylm_2w", "tinylm_1w"}
+    assert set(rows["overhead"]) == {"digits_2w", "tinylm_1w"}  # quick mode: one of each kind
+    assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
     assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
     assert rows["cold_start"]["command_to_first_step_s"] > 0
     assert rows["checkpoint"]["checkpoint_mb"] > 1 and rows["checkpoint"]["disk_write_mb_per_s"] > 0

@@ -1,0 +1,108 @@
+"""Recovery row: a digits run with a Ray Train worker SIGKILLed every `interval_s`, against the same
+run with no failures, in the same Ray cluster. Measured from the run's own metrics in MLflow:
+- kill -> next step: seconds from each kill to the first step of the restarted worker group;
+- steps lost: the step the run had reached at the kill minus the step the new group resumed from;
+- efficiency: failure-free wall time / wall time with failures, for the same steps.
+A failure comes `interval_s` of training after the previous recovery (60 s in a full run)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+from bench.common import median, service_job
+
+
+def train_worker_pids() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
+
+
+def _newest_checkpoint(run_dir: Path) -> int:
+    return max((int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if (p / "meta.json").exists()),
+               default=-1)
+
+
+def _killer(run_dir: Path, interval_s: float, stop: threading.Event, kills: list[float], max_kills: int,
+            seed: int = 0) -> None:
+    """Kill a random training worker `interval_s` after the worker group (re)started training (seen
+    by its first new checkpoint), up to max_kills times."""
+    rng, seen = random.Random(seed), -1
+    while len(kills) < max_kills:
+        while _newest_checkpoint(run_dir) <= seen:  # wait for the (new) group to train
+            if stop.wait(0.2):
+                return
+        if stop.wait(interval_s):
+            return
+        pids = train_worker_pids()
+        if pids:
+            seen = _newest_checkpoint(run_dir)
+            try:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                kills.append(time.time())
+            except ProcessLookupError:
+                pass
+
+
+def _metrics(summary) -> dict[str, list[tuple[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(summary.tracking_uri)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, key))
+            for key in ("wall_time", "first_step_time", "start_step")}
+
+
+def analyse(kills: list[float], metrics: dict) -> list[dict]:
+    """Per kill: seconds to the next group's first step, and steps lost."""
+    progress = metrics["wall_time"]  # (step, wall clock of that report)
+    groups = sorted({(first, start) for (_, first), (_, start) in zip(metrics["first_step_time"], metrics["start_step"])})
+    found = []
+    for kill in kills:
+        after = [(first, start) for first, start in groups if first > kill]
+        before = [(step, wall) for step, wall in progress if wall <= kill]
+        if not after or not before:
+            continue
+        first, start = after[0]
+        # the step reached at the kill: the last report before it, plus the rate of the reports before that
+        (s1, w1), (s0, w0) = before[-1], (before[-2] if len(before) > 1 else before[-1])
+        rate = (s1 - s0) / (w1 - w0) if w1 > w0 else 0.0
+        reached = s1 + rate * (kill - w1)
+        found.append({"kill_to_next_step_s": first - kill, "steps_lost": max(0.0, reached - start)})
+    return found
+
+
+def recovery(quick: bool) -> dict:
+    from bench.common import run_service
+
+    interval_s, steps, max_kills = (5.0, 1500, 1) if quick else (60.0, 20000, 100)
+    overrides = [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps // 10}", "checkpoint.every_n_steps=500",
+                 "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
+                 "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
+                 "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false"]
+    clean, _ = run_service(service_job("digits.yaml", overrides, "recovery-clean"))
+    kills: list[float] = []
+    run_dir = Path(clean.run_dir).parent / "recovery-chaos"
+    stop = threading.Event()
+    killer = threading.Thread(target=_killer, args=(run_dir, interval_s, stop, kills, max_kills), daemon=True)
+    killer.start()
+    try:
+        chaotic, _ = run_service(service_job("digits.yaml", overrides, "recovery-chaos"))
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    per_kill = analyse(kills, _metrics(chaotic))
+    return {
+        "steps": steps, "failure_every_s": interval_s, "kills": len(kills), "recoveries_measured": len(per_kill),
+        "kill_to_next_step_s_median": median([k["kill_to_next_step_s"] for k in per_kill]) if per_kill else None,
+        "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
+        "checkpoint_every_n_steps": 500,
+        "clean_wall_s": clean.wall_s, "chaos_wall_s": chaotic.wall_s,
+        "efficiency": clean.wall_s / chaotic.wall_s,
+        "per_kill": per_kill,
+    }
