@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     from training import config as config_lib
-    from training.errors import RunFailed, UserError
+    from training.errors import UserError, exit_code
 
     config_path = args.config or str(DEFAULT_CONFIG)
     try:
@@ -53,15 +53,5 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from training.run import run_training
 
-    try:
-        run_training(job, config_path=config_path)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; run the same command with the same --name to resume", file=sys.stderr)
-        return 130
-    return 0
+    return exit_code(lambda: run_training(job, config_path=config_path),
+                     interrupted="run the same command with the same --name to resume")

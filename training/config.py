@@ -74,6 +74,8 @@ class TrainConfig(_Section):
     early_stopping: Optional[EarlyStoppingConfig] = None
     # Threads torch may use in each worker; default: the worker's CPUs.
     torch_threads: Optional[int] = Field(None, ge=1)
+    # torch.compile the model (each transformer block, or the whole model); needs a C++ compiler on CPU.
+    compile: bool = False
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
@@ -110,6 +112,26 @@ class ScalingConfig(_Section):
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
+class ParallelConfig(_Section):
+    # ddp: a full replica per worker, gradients all-reduced. fsdp: FSDP2 (fully_shard per
+    # transformer block, then the root): parameters, gradients and optimizer state sharded across
+    # workers, checkpoints written as one shard per worker (torch.distributed.checkpoint).
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp: dtype of the parameters used in forward/backward. auto: bf16 on CUDA, fp32 on CPU.
+    # Gradients are reduced in fp32 and the sharded master weights stay fp32.
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Recompute each transformer block's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+    # fsdp on CUDA: keep sharded parameters, gradients and optimizer state in host memory.
+    cpu_offload: bool = False
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> "ParallelConfig":
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError("parallel.cpu_offload needs parallel.strategy: fsdp")
+        return self
+
+
 class FailureConfig(_Section):
     # Worker or node failures the run survives (restarting from the latest checkpoint).
     max_failures: int = Field(3, ge=-1)
@@ -140,6 +162,9 @@ class TrackingConfig(_Section):
     registered_model_name: Optional[str] = None
     # A cluster config (cluster.yaml) to price the run by; default $TRAINING_CLUSTER_CONFIG.
     cluster_config: Optional[str] = None
+    # Export the final model to ONNX (checked against PyTorch with onnxruntime) and log it as an
+    # artifact. Default: on for built-in models, off for plug-ins. A failed export only warns.
+    export_onnx: Optional[bool] = None
 
 
 class JobConfig(_Section):
@@ -151,6 +176,7 @@ class JobConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(max_steps=200))
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -259,6 +285,19 @@ def validate(raw: Any, source: str = "config") -> JobConfig:
         raise ConfigError(f"{source} is invalid:\n  {exc}") from None
 
 
+def read_yaml_mapping(path: Path, what: str, hint: str) -> dict:
+    """A YAML file whose top level is a mapping, or a ConfigError saying what is wrong with it."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist; {hint}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
+
+
 def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[str] = None) -> JobConfig:
     """Read a YAML job config, apply `--set` overrides and `--name`, and validate it."""
     raw: Any = {}
@@ -266,14 +305,7 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     if path is not None:
         path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; shipped examples are in training/configs/")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raw = read_yaml_mapping(path, "config file", "shipped examples are in training/configs/")
     raw = apply_overrides(raw, list(overrides))
     if name is not None:
         raw["name"] = name

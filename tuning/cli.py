@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from training.errors import RunFailed, UserError
+    from training.errors import UserError, exit_code
     from tuning import config as sweep_config
 
     try:
@@ -49,18 +49,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           + ", ".join(f"{path} ~ {dim.describe()}" for path, dim in sweep.space.items()), flush=True)
     from tuning.sweep import run_sweep
 
-    try:
+    def sweep_and_report() -> None:
         summary = run_sweep(sweep)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; run the same command to resume the sweep", file=sys.stderr)
-        return 130
-    print(f"sweep {summary.name} finished in {summary.wall_s:.0f} s: "
-          + ", ".join(f"{sum(r.status == s for r in summary.rows)} {s}" for s in ("finished", "stopped", "failed")),
-          flush=True)
-    return 0
+        print(f"sweep {summary.name} finished in {summary.wall_s:.0f} s: "
+              + ", ".join(f"{sum(r.status == s for r in summary.rows)} {s}" for s in ("finished", "stopped", "failed")),
+              flush=True)
+
+    return exit_code(sweep_and_report, interrupted="run the same command to resume the sweep")

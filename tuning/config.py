@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from training import config as config_lib
@@ -98,14 +97,7 @@ class Sweep:
 def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[str] = None) -> Sweep:
     """Read a sweep file; `--set` keys naming a sweep field apply to the sweep, all others to the base job."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file {path} does not exist; shipped examples are in tuning/sweeps/")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    raw = config_lib.read_yaml_mapping(path, "sweep file", "shipped examples are in tuning/sweeps/")
     sweep_keys = set(SweepConfig.model_fields)
     own = [text for text in overrides if text.partition("=")[0].split(".")[0].strip() in sweep_keys]
     raw = config_lib.apply_overrides(raw, own)
@@ -130,13 +122,8 @@ def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
         raw, source = sweep.base, f"{sweep_path}: base"
     else:
         base_path = Path(sweep.base)
-        if not base_path.is_file():
-            raise ConfigError(f"base: job config {base_path} does not exist (paths are relative to the "
-                              "working directory)")
-        try:
-            raw = yaml.safe_load(base_path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"base: {base_path} is not valid YAML: {exc}") from None
+        raw = config_lib.read_yaml_mapping(base_path, "base: job config",
+                                           "paths are relative to the working directory")
         source = f"base {base_path}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
