@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from training import checkpoint as ckpt
-from training import storage
+from training import parallel, storage
 from training.config import JobConfig, OptimConfig
 from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
 from training.data.prepare import Manifest
@@ -75,17 +75,32 @@ def _sum_across_workers(values: list[float], device: torch.device) -> list[float
     return tensor.tolist()
 
 
+def _max_across_workers(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
 def _autocast(job: JobConfig, device: torch.device):
     wants_bf16 = job.train.precision == "bf16" or (job.train.precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if wants_bf16 else nullcontext()
 
 
 @torch.no_grad()
-def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, device, autocast) -> dict:
+def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, device, autocast,
+             lockstep: bool = False) -> dict:
     model.eval()
     loss_sum = units = correct = 0.0
     count = next(iter(rows.values())).shape[0]
-    for start in range(0, count, batch_size):
+    batches = math.ceil(count / batch_size)
+    if lockstep:  # FSDP: every forward all-gathers parameters, so every worker runs as many
+        batches = int(_max_across_workers(batches, device))
+    for start in range(0, batches * batch_size, batch_size):
+        if start >= count:  # this worker's rows are done: a forward the others need, not counted
+            with autocast:
+                forward_loss(task, model, {k: v[:1].to(device) for k, v in rows.items()})
+            continue
         batch = {k: v[start:start + batch_size].to(device) for k, v in rows.items()}
         with autocast:
             batch_loss, batch_units, batch_correct = forward_loss(task, model, batch, count_correct=True)
@@ -118,6 +133,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     torch.manual_seed(job.seed)  # the same initial weights on every worker
     model = build_model(job.model.name, job.model.options, spec).to(device)
+    flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+    peak_flops = parallel.peak_flops_per_s(device)
+    # DDP wraps the model (train_model); FSDP shards it in place (train_model is model).
+    train_model = parallel.wrap(model, job.parallel, device, compile=job.train.compile)
+    sharded = parallel.is_sharded(job.parallel)
     optimizer = build_optimizer(job.optim, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(job.optim, total_steps))
     loop = ckpt.LoopState()
@@ -125,17 +145,18 @@ def train_loop_per_worker(loop_config: dict) -> None:
     checkpoint = restore_point(loop_config)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            state = ckpt.load(directory)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+            if sharded:  # each worker reads its part, whatever the world size that wrote it
+                state = ckpt.load_sharded(directory, model, optimizer)
+            else:
+                state = ckpt.load(directory)
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         loop = state["loop"]
         if rank == 0:
             print(f"resumed from step {loop.step} with {world_size} workers ({checkpoint.path})")
 
     start_step = loop.step  # where this worker group took over (steps redone after a failure)
-    ddp_model = ray.train.torch.prepare_model(model)
-    is_ddp = ddp_model is not model
     window_loss = window_units = window_steps = 0.0
     window_start = time.perf_counter()
     val_metrics: dict = {}
@@ -150,8 +171,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
             sync = index == len(micro_batches) - 1
-            with (nullcontext() if sync or not is_ddp else ddp_model.no_sync()), autocast:
-                loss_sum, units, _ = forward_loss(task, ddp_model, {k: v[part] for k, v in batch.items()})
+            with parallel.gradient_sync(train_model, sync), autocast:
+                loss_sum, units, _ = forward_loss(task, train_model, {k: v[part] for k, v in batch.items()})
             (loss_sum * loss_scale).backward()
             window_loss += loss_sum.detach()  # a tensor: no device sync per step
             window_units += units
@@ -201,8 +222,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
                    "first_step_time": first_step_done, "start_step": start_step}
         if task == "language_model":
             metrics["tokens_per_s"] = samples_per_s * manifest.spec["seq_len"]
+            if flops_per_token and peak_flops:  # model FLOPs utilisation (GPUs in the peak table)
+                metrics["mfu"] = metrics["tokens_per_s"] * flops_per_token / (peak_flops * world_size)
+        if device.type == "cuda":
+            metrics["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         if eval_due:
-            val_metrics = evaluate(model, task, val_rows, job.train.micro_batch_size or 256, device, autocast)
+            val_metrics = evaluate(model, task, val_rows, job.train.micro_batch_size or 256, device, autocast,
+                                   lockstep=sharded)
             _update_early_stopping(job, loop, val_metrics)
             checkpoint_due = checkpoint_due or loop.stopped_early
         if checkpoint_due or eval_due:  # (a scored checkpoint carries the latest validation metrics)
@@ -211,12 +237,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
             metrics["preemption_checkpoint_step"] = loop.step
 
         metrics.update(checkpoint_cost)
-        if checkpoint_due and rank == 0:
+        if checkpoint_due and (rank == 0 or sharded):  # sharded: every worker writes and uploads its shard
             save_start = time.perf_counter()
             directory = tempfile.mkdtemp(prefix="ckpt-")  # outlives an asynchronous upload
-            ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-                      scheduler_state=scheduler.state_dict(), loop=loop, config=job.model_dump(mode="json"),
-                      steps_per_epoch=train_data.steps_per_epoch, world_size=world_size, metrics=metrics)
+            saved = dict(scheduler_state=scheduler.state_dict(), loop=loop, config=job.model_dump(mode="json"),
+                         steps_per_epoch=train_data.steps_per_epoch, world_size=world_size, metrics=metrics)
+            if sharded:
+                ckpt.save_sharded(directory, model=model, optimizer=optimizer, **saved)
+            else:
+                ckpt.save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(), **saved)
             # Before a preemption deadline, a checkpoint counts only once it is uploaded.
             asynchronous = job.checkpoint.upload == "async" and not (fresh_notice or final_save)
             saved_s = time.perf_counter() - save_start

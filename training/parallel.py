@@ -1,0 +1,120 @@
+"""How the model is spread over the workers (the `parallel` section), and what the device can do.
+
+ddp: Ray Train's `prepare_model` (DistributedDataParallel): a full replica per worker.
+fsdp: FSDP2, `torch.distributed.fsdp.fully_shard` applied to each transformer block, then to the
+root. Parameters stay the model's own (now DTensors, sharded on dim 0 across the workers) under
+their original names, so state-dict keys do not change and `torch.distributed.checkpoint` can
+re-shard them at another world size. Ray's `prepare_model(parallel_strategy="fsdp")` wraps with
+FSDP1 (`FullyShardedDataParallel`, flat parameters, its own state-dict modes), which PyTorch keeps
+only for compatibility; FSDP2 is what the distributed-checkpoint and DTensor work builds on.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from training.config import ParallelConfig
+
+# Dense bf16 peak FLOP/s per GPU (vendor datasheets, no sparsity), matched against the device name.
+# MFU is measured against these whatever the run's precision, as torchtitan and nanoGPT do.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "A10G": 125e12, "A10": 125e12, "L4": 121e12}
+
+
+def peak_flops_per_s(device: torch.device) -> Optional[float]:
+    """Peak bf16 FLOP/s of one device; None on CPU or for a GPU not in the table."""
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_flops_of(name: str) -> Optional[float]:
+    # Longest key first: "A100" must not match "A10", "L40S" not "L4".
+    return next((PEAK_BF16_FLOPS[k] for k in sorted(PEAK_BF16_FLOPS, key=len, reverse=True) if k in name), None)
+
+
+def param_dtype(config: ParallelConfig, device: torch.device) -> Optional[torch.dtype]:
+    """The dtype FSDP computes in; None keeps fp32 (no mixed-precision policy)."""
+    if config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one: a `blocks` ModuleList (the built-in GPT, and any
+    plug-in following that convention); none for other models (then only the root is sharded)."""
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def _checkpoint_activations(block: nn.Module) -> None:
+    """Recompute the block's activations in backward. The forward is replaced on the instance,
+    not wrapped in another module, so parameter names (and checkpoints) stay the same."""
+    from torch.utils.checkpoint import checkpoint
+
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, compile: bool = False) -> nn.Module:
+    """Prepare `model` (already on `device`, identical on every worker) for training; returns the
+    module to call. For fsdp that is `model` itself, sharded in place; for ddp, Ray's DDP wrapper
+    (or `model` with one worker)."""
+    blocks = transformer_blocks(model)
+    if config.activation_checkpointing:
+        for block in blocks:
+            _checkpoint_activations(block)
+    if compile:  # in place (nn.Module.compile): parameter names unchanged
+        for block in blocks or [model]:
+            block.compile()
+    if config.strategy == "ddp":
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    dtype = param_dtype(config, device)
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
+               "offload_policy": CPUOffloadPolicy() if config.cpu_offload and device.type == "cuda" else OffloadPolicy()}
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def is_sharded(config: ParallelConfig) -> bool:
+    return config.strategy == "fsdp"
+
+
+@contextmanager
+def gradient_sync(train_model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient reduction on all but the last micro-batch of a step."""
+    if enabled:
+        yield
+    elif hasattr(train_model, "no_sync"):  # DDP
+        with train_model.no_sync():
+            yield
+    elif hasattr(train_model, "set_requires_gradient_sync"):  # FSDP2
+        train_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            train_model.set_requires_gradient_sync(True)
+    else:
+        with nullcontext():
+            yield
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this worker holds for parameters and optimizer state: a DTensor's local shard only."""
+
+    def size(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    params = sum(size(p) for p in model.parameters())
+    state = sum(size(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {"param_bytes": params, "optimizer_bytes": state}
