@@ -14,18 +14,23 @@ from training import checkpoint as ckpt
 from training import storage
 from training.config import JobConfig
 from training.data.loader import SplitReader
+from training.export import export_onnx
 from training.models import build_model
+from training.plugins import is_import_string
 from training.tasks import model_input
 
 CURVES = ("train_loss", "val_loss", "val_accuracy", "val_perplexity")
 
 
 def load_final_model(job: JobConfig, manifest, checkpoint) -> torch.nn.Module:
-    with checkpoint.as_directory() as directory:
-        state = ckpt.load(directory)
     model = build_model(job.model.name, job.model.options, {"task": manifest.task, **manifest.spec})
-    model.load_state_dict(state["model"])
+    with checkpoint.as_directory() as directory:  # a sharded (fsdp) checkpoint is consolidated here
+        model.load_state_dict(ckpt.load_model_state(directory, model))
     return model.eval()
+
+
+def sample_input(manifest) -> torch.Tensor:
+    return model_input(manifest.task, SplitReader(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
 
 
 def registered_model_name(job: JobConfig) -> str:
@@ -40,7 +45,7 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
     import mlflow.pytorch
     from mlflow.models import infer_signature
 
-    sample = model_input(manifest.task, SplitReader(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
+    sample = sample_input(manifest)
     with torch.no_grad():
         output = model(sample).numpy()
     signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
@@ -107,7 +112,7 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
                 f"registered there; it is in the checkpoint {summary.checkpoint_path}, the summary in {summary_uri}")
         else:
             try:
-                log_final_artifacts(job, manifest, result, tracker, summary)
+                log_final_artifacts(job, manifest, result, tracker, summary, log)
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
                 log(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
@@ -118,12 +123,22 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
         log(line)
 
 
-def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary) -> None:
+def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary, log=print) -> None:
     model = load_final_model(job, manifest, result.checkpoint)
     logged = log_model(job, manifest, model, tracker)
     summary.registered_model = logged["registered_model"]
     summary.extra.update(logged)
     with tempfile.TemporaryDirectory() as tmp:
+        export = job.tracking.export_onnx
+        if export or (export is None and not is_import_string(job.model.name)):  # default: built-in models
+            try:
+                summary.extra.update(export_onnx(model, sample_input(manifest), Path(tmp) / "model.onnx"))
+                tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "model.onnx"), "onnx")
+                summary.extra["onnx_exported"] = True
+            except Exception as exc:  # the model is logged already; an export must not fail the run
+                summary.extra["onnx_exported"] = False
+                log(f"warning: ONNX export failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                    "the PyTorch model is logged")
         plot = Path(tmp) / "learning_curve.png"
         if plot_learning_curves(tracker, summary.name, plot):
             tracker.client.log_artifact(tracker.run_id, str(plot), "plots")
