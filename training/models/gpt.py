@@ -1,19 +1,37 @@
-"""A small decoder-only transformer (GPT-style) for byte-level language modelling."""
+"""A decoder-only transformer (GPT-style) for byte-level language modelling, sized by a preset
+(tiny: ~0.4M parameters, a CPU laptop; small: ~19M; base: ~114M, a GPU) or by explicit options."""
 
 from __future__ import annotations
+
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+# Sizes by name; options given next to a preset override its values.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 4, "d_model": 128},
+    "small": {"n_layer": 6, "n_head": 8, "d_model": 512},
+    "base": {"n_layer": 16, "n_head": 12, "d_model": 768},
+}
+
 
 class GPTOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    preset: Optional[Literal["tiny", "small", "base"]] = None
     n_layer: int = Field(2, ge=1)
     n_head: int = Field(4, ge=1)
     d_model: int = Field(128, ge=8)
     dropout: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in PRESETS:
+            return {**PRESETS[data["preset"]], **data}
+        return data
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "GPTOptions":
@@ -55,12 +73,30 @@ class GPT(nn.Module):
         self.head = nn.Linear(options.d_model, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
 
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied head counted once
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 per weight of every matrix multiply
+        (position embeddings are lookups, left out) plus the attention scores and their weighted
+        sum, 12 * n_layer * d_model * seq_len (PaLM, appendix B; causal masking not discounted)."""
+        d_model = self.token_embedding.embedding_dim
+        weights = self.num_params() - self.position_embedding.weight.numel()
+        return 6.0 * weights + 12.0 * len(self.blocks) * d_model * self.seq_len
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def gpt_num_params(vocab_size: int, seq_len: int, options: GPTOptions) -> int:
+    """Parameters of GPT(vocab_size, seq_len, options) from the architecture alone."""
+    d, n = options.d_model, options.n_layer
+    per_block = 12 * d * d + 13 * d  # qkv, proj, two MLP matrices with biases, two LayerNorms
+    return vocab_size * d + seq_len * d + n * per_block + 2 * d  # tied head, positions, final LayerNorm
 
 
 def build_gpt(spec: dict, options: GPTOptions) -> nn.Module:
