@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from conftest import CONFIGS
 from training import checkpoint as ckpt
@@ -122,6 +123,63 @@ def test_a_sharded_checkpoint_is_complete_only_with_every_file_at_its_size(tmp_p
     assert ckpt.newest_complete(fs, str(tmp_path)) == (3, str(full))
     with pytest.raises(ValueError, match="sharded"):
         ckpt.load(directory)
+
+
+# --- FSDP2 wrapping, in one process (a gloo group of one) ----------------------------------------
+
+@pytest.fixture
+def process_group_of_one():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_step(model, train_model, tokens):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logits = train_model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("options", [{"activation_checkpointing": True}, {"mixed_precision": "bf16"}])
+def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options):
+    from torch.distributed.tensor import DTensor
+
+    from training.config import ParallelConfig
+    from training.parallel import wrap
+
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
+    torch.manual_seed(1)
+    expected_loss = _one_step(plain, plain, tokens)
+    torch.manual_seed(0)
+    sharded = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
+    names = list(sharded.state_dict())
+    assert wrap(sharded, ParallelConfig(strategy="fsdp", **options), torch.device("cpu")) is sharded
+    assert list(sharded.state_dict()) == names  # checkpoints keep the model's own names
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    recomputed = [getattr(b.forward, "func", None) is torch.utils.checkpoint.checkpoint for b in sharded.blocks]
+    assert recomputed == [bool(options.get("activation_checkpointing"))] * 2
+    torch.manual_seed(1)  # the same dropout draws (recomputed ones replay the RNG state)
+    loss = _one_step(sharded, sharded, tokens)
+    after = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sharded.state_dict().items()}
+    if options.get("mixed_precision") == "bf16":
+        assert abs(loss - expected_loss) < 0.05 * expected_loss
+    else:
+        assert loss == pytest.approx(expected_loss, rel=1e-6)
+        for name, tensor in plain.state_dict().items():
+            torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6)
 
 
 # --- ONNX -----------------------------------------------------------------------------------------
