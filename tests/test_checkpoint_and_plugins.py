@@ -137,3 +137,20 @@ def test_early_stopping_counts_evaluations_without_improvement():
     assert loop.best_metric == 0.8
     with pytest.raises(ValueError, match="not a validation metric"):
         _update_early_stopping(job, ckpt.LoopState(), {"val_loss": 1.0})
+
+
+def test_logging_a_model_leaves_no_tracking_uri_behind(tmp_path, monkeypatch):
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; a run's finalize must not leave it set
+    for the next run in the process or the processes it starts."""
+    import os
+
+    from training.tracking import fluent_mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with fluent_mlflow(f"sqlite:///{tmp_path}/a.db") as mlflow:
+        assert mlflow.get_tracking_uri() == f"sqlite:///{tmp_path}/a.db"
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    with fluent_mlflow(f"sqlite:///{tmp_path}/b.db"):
+        pass
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://tracking.example:5000"

@@ -2,6 +2,8 @@
 real MLflow store. More trials than fit at once, so a stopped trial that kept its workers would hang
 the sweep (each test has a timeout)."""
 
+import json
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -107,6 +109,7 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
     trial_id = seed_run.name[len("pbt-"):-len(f"-x{step}")]
     row = next(r for r in summary.rows if r.trial_id == trial_id)
     after = [v for s, v in row.history if s > step]
-    assert after and after[0] > 0.5  # the donor's accuracy (lr 1e-5 alone stays near chance)
+    donor_accuracy = json.loads((donors[0] / f"checkpoint-{step:08d}" / "meta.json").read_text())["metrics"]["val_accuracy"]
+    assert after and after[0] >= donor_accuracy - 0.05  # where the donor was, not back at chance
     client = MlflowClient(summary.tracking_uri)
     assert len(children_of(client, summary.parent_run_id)) == 2  # one child per trial, exploits included

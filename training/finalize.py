@@ -18,6 +18,7 @@ from training.export import export_onnx
 from training.models import build_model
 from training.plugins import is_import_string
 from training.tasks import model_input
+from training.tracking import fluent_mlflow
 
 CURVES = ("train_loss", "val_loss", "val_accuracy", "val_perplexity")
 
@@ -49,9 +50,8 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
     with torch.no_grad():
         output = model(sample).numpy()
     signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
-    mlflow.set_tracking_uri(tracker.tracking_uri)
     name = registered_model_name(job) if job.tracking.register_model else None
-    with mlflow.start_run(run_id=tracker.run_id):
+    with fluent_mlflow(tracker.tracking_uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pytorch.log_model(
             model, name="model", signature=signature, serialization_format="pickle",
             code_paths=[str(Path(__file__).resolve().parent)], registered_model_name=name,

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -35,6 +37,22 @@ log = logging.getLogger(__name__)
 
 RUN_NAME_TAG = "training.run_name"
 BACKLOG_FILE = "tracking_backlog.jsonl"
+
+
+@contextmanager
+def fluent_mlflow(tracking_uri: str):
+    """MLflow's fluent API (log_model, register_model) pointed at tracking_uri for a moment.
+    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI to this process's environment, where
+    it would outlive the run: the next run in this process, and every process started from it
+    (a Ray head, a job), would track there. Both are put back afterwards."""
+    import mlflow
+
+    previous = os.environ.get("MLFLOW_TRACKING_URI")  # what set_tracking_uri last set, if anything
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield mlflow
+    finally:
+        mlflow.set_tracking_uri(previous)  # None unsets both
 
 
 class NullTracker:

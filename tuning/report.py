@@ -19,7 +19,7 @@ import yaml
 
 from training import config as config_lib
 from training import storage
-from training.tracking import NullTracker
+from training.tracking import NullTracker, fluent_mlflow
 from tuning.config import Sweep
 from tuning.trial import SWEEP_TAG, TRIAL_TAG
 
@@ -169,8 +169,8 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
                                          filter_string=f"source_run_id = '{best.mlflow_run_id}'",
                                          order_by=[{"field_name": "creation_time", "ascending": False}])
     if logged:
-        mlflow.set_tracking_uri(parent.tracking_uri)
-        version = mlflow.register_model(logged[0].model_uri, name).version
+        with fluent_mlflow(parent.tracking_uri):
+            version = mlflow.register_model(logged[0].model_uri, name).version
     elif best.checkpoint_path:
         import ray.train
 
