@@ -14,7 +14,7 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "gpu")
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "memory", "gpu")
 
 
 def main(argv=None) -> int:
@@ -27,6 +27,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {}}
     with tempfile.TemporaryDirectory() as base:
+        if "memory" in wanted:  # two gloo processes, no Ray
+            from bench.memory import memory
+
+            results["rows"]["memory"] = memory(args.quick)
         if "cold_start" in wanted:  # first: it starts its own Ray, and must find none running
             results["rows"]["cold_start"] = rows.cold_start(args.quick)
         import ray
@@ -73,6 +77,8 @@ def ratios(rows_: dict) -> dict:
         found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]
         if value["loader_vs_training_consumption"] is not None:
             found[f"data_loader_vs_training_{task}"] = value["loader_vs_training_consumption"]
+    if "memory" in rows_:
+        found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:
         found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
     if rows_.get("sweep", {}).get("steps_to_target_ratio") is not None:

@@ -40,6 +40,12 @@ def markdown(results: dict) -> str:
                      f"{v['raw_parquet_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw; "
                      f"{_f(v['loader_vs_training_consumption'], 0)}x training's need | Parquet -> this worker's "
                      f"tensor batches for an epoch vs `pyarrow.parquet.read_table` of the same files |")
+    if "memory" in r:
+        v = r["memory"]
+        lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "
+                     f"{v['ddp_bytes_per_worker'] / 2**20:.1f} MB | **{v['fsdp_vs_ddp_ratio']:.3f}** (ideal "
+                     f"{1 / v['workers']:.3f}) | parameters + AdamW state each worker holds, {v['model']}, "
+                     f"{v['workers']} workers (gloo), after one step |")
     for name in ("recovery", "sweep", "gpu"):
         v = r.get(name)
         if v and "skipped" in v:

@@ -18,7 +18,8 @@ def test_quick_bench_runs_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["rows"]
-    assert {"cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "gpu"} <= set(rows)
+    assert {"cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "memory", "gpu"} <= set(rows)
+    assert 0 < rows["memory"]["fsdp_vs_ddp_ratio"] < 1
     assert set(rows["overhead"]) == {"digits_2w", "tinylm_1w"}  # quick mode: one of each kind
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
     assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
