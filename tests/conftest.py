@@ -13,6 +13,18 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 sys.path.insert(0, str(REPO / "tests"))  # plug-in examples under tests/plugins
 
 
+@pytest.fixture(autouse=True)
+def _tracking_uri_unchanged():
+    """mlflow.set_tracking_uri (in a test, to load a model) exports MLFLOW_TRACKING_URI; put it back,
+    or every later run in this process, and every process started from it, would track there."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster per test module (starting one costs 5-20 s)."""

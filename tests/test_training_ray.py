@@ -74,6 +74,9 @@ def test_a_named_run_resumes_in_the_same_mlflow_run(ray_cluster, workdir):
     assert first.steps == 40 and not first.resumed
     second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
     assert second.steps == 80 and second.resumed
+    # Once more: nothing left to train; the run ends with its last checkpoint's step and metrics.
+    third = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
+    assert third.steps == 80 and third.resumed and third.metrics["val_accuracy"] == second.metrics["val_accuracy"]
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     (run,) = runs_named(client, "digits", "again")

@@ -199,16 +199,29 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         raise
     from training.finalize import finalize
 
-    summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(result.metrics.get("step", 0)),
-                         metrics=dict(result.metrics), wall_s=time.monotonic() - started, resumed=record is not None,
+    # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
+    metrics = dict(result.metrics or {}) or _checkpoint_metrics(result.checkpoint)
+    summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(metrics.get("step", 0)),
+                         metrics=metrics, wall_s=time.monotonic() - started, resumed=record is not None,
                          checkpoint_path=result.checkpoint.path if result.checkpoint else None,
                          mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri,
                          extra={"timings": {**timings, "fit_done": time.time(),
-                                            "worker_start": result.metrics.get("worker_start_time"),
-                                            "first_step": result.metrics.get("first_step_time")}})
+                                            "worker_start": metrics.get("worker_start_time"),
+                                            "first_step": metrics.get("first_step_time")}})
     finalize(job, manifest, result, tracker, summary, log)
     tracker.finish("FINISHED")
     return summary
+
+
+def _checkpoint_metrics(checkpoint) -> dict:
+    """The step and metrics a checkpoint recorded (meta.json), or {} without one."""
+    from training.checkpoint import META_FILE
+
+    if checkpoint is None:
+        return {}
+    with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as stream:
+        meta = json.loads(stream.read())
+    return {**meta.get("metrics", {}), "step": meta["step"]}
 
 
 def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
