@@ -92,13 +92,16 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
 
     runs = workdir / "runs"
-    exploits = sorted(p for p in runs.iterdir() if "-x" in p.name)
-    assert exploits, "PBT exploited no trial"
+    # (an exploit at the last step, 60, has nothing left to train: look at one before it)
+    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < 60),
+                      key=lambda p: int(p.name.rsplit("-x", 1)[1]))
+    assert exploits, "PBT exploited no trial before the end"
     seed_run = exploits[0]
     step = int(seed_run.name.rsplit("-x", 1)[1])
     seed = torch.load(seed_run / "seed" / "state.pt", weights_only=True)
     donors = [p for p in runs.iterdir() if p.name.startswith("pbt-") and not p.name.startswith(seed_run.name[:-len(
-        f"-x{step}")])]
+        f"-x{step}")]) and (p / f"checkpoint-{step:08d}" / "state.pt").is_file()]
+    assert donors, "no other trial's checkpoint at the exploit step"
     donor_state = torch.load(donors[0] / f"checkpoint-{step:08d}" / "state.pt", weights_only=True)
     # the seed is the donor's checkpoint at that step: the same weights, bit for bit
     assert all(torch.equal(seed["model"][k], v) for k, v in donor_state["model"].items())
