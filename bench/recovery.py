@@ -25,8 +25,12 @@ def train_worker_pids() -> list[int]:
 
 
 def _newest_checkpoint(run_dir: Path) -> int:
-    return max((int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if (p / "meta.json").exists()),
-               default=-1)
+    import pyarrow.fs as pafs
+
+    from training.checkpoint import newest_complete
+
+    newest = newest_complete(pafs.LocalFileSystem(), str(run_dir))
+    return newest[0] if newest else -1
 
 
 def _killer(run_dir: Path, interval_s: float, stop: threading.Event, kills: list[float], max_kills: int,

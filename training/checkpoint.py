@@ -167,17 +167,21 @@ def step_of(directory_name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def read_meta(fs: pafs.FileSystem, directory: str) -> Optional[dict]:
+    """A checkpoint's meta.json, or None if it is not there (yet) or cut short."""
+    try:
+        with fs.open_input_stream(f"{directory}/{META_FILE}") as stream:
+            return json.loads(stream.read())
+    except (OSError, ValueError):
+        return None
+
+
 def is_complete(fs: pafs.FileSystem, directory: str) -> bool:
     """A checkpoint is complete when meta.json is there and every file it records (state.pt, or
     each shard of a sharded checkpoint) has the size it records."""
-    meta_info, = fs.get_file_info([f"{directory}/{META_FILE}"])
-    if meta_info.type != pafs.FileType.File:
+    meta = read_meta(fs, directory)
+    if meta is None:
         return False
-    try:
-        with fs.open_input_stream(f"{directory}/{META_FILE}") as stream:
-            meta = json.loads(stream.read())
-    except (OSError, ValueError):
-        return False  # meta.json cut short
     if meta.get("format_version") != FORMAT_VERSION:
         return False
     expected = meta["files"] if meta.get("layout") == "sharded" else {STATE_FILE: meta.get("state_bytes")}

@@ -215,13 +215,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
 
 def _checkpoint_metrics(checkpoint) -> dict:
     """The step and metrics a checkpoint recorded (meta.json), or {} without one."""
-    from training.checkpoint import META_FILE
+    from training.checkpoint import read_meta
 
-    if checkpoint is None:
-        return {}
-    with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as stream:
-        meta = json.loads(stream.read())
-    return {**meta.get("metrics", {}), "step": meta["step"]}
+    meta = read_meta(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
+    return {**meta.get("metrics", {}), "step": meta["step"]} if meta else {}
 
 
 def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
