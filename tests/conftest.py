@@ -1,5 +1,7 @@
 import os
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,39 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """Poll condition() until it returns something true (returned), or fail naming what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+@contextmanager
+def private_cluster(ray_tmpdir, worker_nodes: int):
+    """A head and `worker_nodes` nodes of 1 CPU (ray.cluster_utils.Cluster), connected, with Ray's
+    temp dir (and its "current cluster" file) kept private so that nothing else joins it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    old_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(ray_tmpdir)
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(worker_nodes)]
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_tmpdir

@@ -19,7 +19,7 @@ import psutil  # noqa: E402
 
 from cluster.chaos import ChaosPolicy, NothingToDo
 from cluster.ray_nodes import ActorProcess, NodeInfo
-from conftest import REPO
+from conftest import REPO, private_cluster
 
 HEAD = NodeInfo("h" * 56, "10.0.0.1", is_head=True, alive=True, draining=False)
 A = NodeInfo("a" * 56, "10.0.0.2", is_head=False, alive=True, draining=False)
@@ -73,24 +73,9 @@ def test_choice_is_random_but_seeded():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Head + two worker nodes; Ray's temp dir (and its "current cluster" file) kept private."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    old_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    if ray.is_initialized():
-        ray.shutdown()
-    local = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [local.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=local.address, logging_level="ERROR", log_to_driver=False)
-    yield local, nodes
-    ray.shutdown()
-    local.shutdown()
-    if old_tmpdir is None:
-        os.environ.pop("RAY_TMPDIR", None)
-    else:
-        os.environ["RAY_TMPDIR"] = old_tmpdir
+    """Head + two worker nodes."""
+    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=2) as (local, nodes):
+        yield local, nodes
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ reason preemption and the watcher's message."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from cluster.cli import main as cluster_main
 from cluster.imds import (REBALANCE_PATH, SPOT_ACTION_PATH, TOKEN_HEADER, TOKEN_PATH, TTL_HEADER, ImdsClient,
                           ImdsError, ImdsUnavailable, Notice)
 from cluster.spot_watcher import SpotPolicy, SpotWatcher
-from conftest import REPO
+from conftest import REPO, private_cluster
 
 NOW = datetime(2026, 12, 1, 13, 0, 0, tzinfo=timezone.utc)
 
@@ -255,24 +254,9 @@ def test_watcher_retries_a_failed_drain_on_the_next_poll(imds):
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    """Head + one worker node, with Ray's temp dir (and its "current cluster" file) kept private."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    old_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    yield cluster, worker
-    ray.shutdown()
-    cluster.shutdown()
-    if old_tmpdir is None:
-        os.environ.pop("RAY_TMPDIR", None)
-    else:
-        os.environ["RAY_TMPDIR"] = old_tmpdir
+    """Head + one worker node."""
+    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=1) as (cluster, (worker,)):
+        yield cluster, worker
 
 
 def watcher_command(address, *args):

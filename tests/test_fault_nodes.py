@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, wait_for
 from training import checkpoint as ckpt
 from training import config as config_lib
 from training.run import run_training
@@ -53,16 +53,6 @@ def checkpoints(run_dir):
     return found
 
 
-def wait_for(predicate, what, timeout_s=180):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def run_in_thread(job):
     outcome = {}
 
@@ -96,14 +86,14 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     run_dir = workdir / "runs" / "elastic"
     thread, outcome = run_in_thread(job)
 
-    wait_for(lambda: any(m["world_size"] == 2 for m in checkpoints(run_dir).values()), "a checkpoint at 2 workers")
+    wait_for(lambda: any(m["world_size"] == 2 for m in checkpoints(run_dir).values()), 180, "a checkpoint at 2 workers")
     (worker_node,) = [node for node in cluster.worker_nodes]
     cluster.remove_node(worker_node)
     shrunk = wait_for(lambda: [s for s, m in checkpoints(run_dir).items() if m["world_size"] == 1],
-                      "a checkpoint at 1 worker")
+                      180, "a checkpoint at 1 worker")
     cluster.add_node(num_cpus=1)
     wait_for(lambda: [s for s, m in checkpoints(run_dir).items() if m["world_size"] == 2 and s > min(shrunk)],
-             "a checkpoint at 2 workers again")
+             180, "a checkpoint at 2 workers again")
     thread.join(timeout=300)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"].steps == 2400
@@ -134,7 +124,7 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     run_dir = workdir / "runs" / "spot"
     thread, outcome = run_in_thread(job)
     wait_for(lambda: (run_dir / "run.json").exists() and ray.available_resources().get("CPU", 0) == 0,
-             "2 training workers placed")
+             180, "2 training workers placed")
     time.sleep(3)  # training, before the regular checkpoint at 1000
     (worker_node,) = [node for node in cluster.worker_nodes]
     accepted, message = ray._raylet.GcsClient(address=cluster.address).drain_node(

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS, REPO
+from conftest import CONFIGS, REPO, wait_for
 from training import config as config_lib
 from training.tracking import BACKLOG_FILE, MlflowTracker, SendPolicy, read_backlog, replay_backlogs
 
@@ -84,16 +84,6 @@ def server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     yield server
     server.kill()
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def steps_of(client, run_id, key):
