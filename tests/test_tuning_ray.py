@@ -81,19 +81,26 @@ def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(
     assert version.tags["tune.trial_id"] == summary.best.trial_id
 
 
+MAX_STEPS = 120  # long enough that the second trial reaches step 20 before the first finishes
+
+
 @pytest.mark.timeout(420)
 def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
-    body = ("space:\n  optim.lr: {grid: [0.03, 0.00001]}\n"
+    # The poor trial starts first. PBT compares trials only once both have a score, so the first
+    # exploit comes at the poor trial's first interval after the good one's first (step 20), and the
+    # donor's checkpoint is early: the exploited trial has most of its steps left to train. (With
+    # the good trial first, the poor one, starting later, can find the donor already finished.)
+    body = ("space:\n  optim.lr: {grid: [0.00001, 0.03]}\n"
             "scheduler: {name: pbt, perturbation_interval_steps: 20, quantile_fraction: 0.5, "
             "resample_probability: 1.0}\nnum_samples: 1\n")
-    sweep = sweep_config.load(write_sweep(workdir, body, ["train.max_steps=60", "checkpoint.every_n_steps=20",
-                                                          "checkpoint.keep=5"]), name="pbt")
+    sweep = sweep_config.load(write_sweep(workdir, body, [f"train.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=20",
+                                                          "checkpoint.keep=20"]), name="pbt")
     summary = run_sweep(sweep)
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
 
     runs = workdir / "runs"
-    # (an exploit at the last step, 60, has nothing left to train: look at one before it)
-    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < 60),
+    # (an exploit at the last step has nothing left to train: look at one before it)
+    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < MAX_STEPS),
                       key=lambda p: int(p.name.rsplit("-x", 1)[1]))
     assert exploits, "PBT exploited no trial before the end"
     seed_run = exploits[0]
@@ -109,10 +116,15 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
     # and the new run continued from it: its first checkpoint is after the donor's step, not from 0
     own = sorted(p.name for p in seed_run.glob("checkpoint-*"))
     assert own and int(own[0].split("-")[1]) > step
+    # where the donor was, not back at chance (the trial's history also holds the old run's report
+    # that triggered the exploit, at a later step: read the new run's own checkpoint)
+    def accuracy(checkpoint):
+        return json.loads((checkpoint / "meta.json").read_text())["metrics"]["val_accuracy"]
+
+    donor_accuracy = accuracy(donors[0] / f"checkpoint-{step:08d}")
+    assert accuracy(seed_run / own[0]) >= donor_accuracy - 0.05
     trial_id = seed_run.name[len("pbt-"):-len(f"-x{step}")]
     row = next(r for r in summary.rows if r.trial_id == trial_id)
-    after = [v for s, v in row.history if s > step]
-    donor_accuracy = json.loads((donors[0] / f"checkpoint-{step:08d}" / "meta.json").read_text())["metrics"]["val_accuracy"]
-    assert after and after[0] >= donor_accuracy - 0.05  # where the donor was, not back at chance
+    assert row.last >= donor_accuracy - 0.05
     client = MlflowClient(summary.tracking_uri)
     assert len(children_of(client, summary.parent_run_id)) == 2  # one child per trial, exploits included

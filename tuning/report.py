@@ -54,7 +54,9 @@ def start_parent(sweep: Sweep, paths, state: Optional[dict]):
         params.update({"scheduler.grace_period_steps": str(cfg.scheduler.grace_period_steps),
                        "scheduler.reduction_factor": str(cfg.scheduler.reduction_factor)})
     if cfg.scheduler.name == "pbt":
-        params["scheduler.perturbation_interval_steps"] = str(cfg.scheduler.perturbation_interval_steps)
+        params.update({"scheduler.perturbation_interval_steps": str(cfg.scheduler.perturbation_interval_steps),
+                       "scheduler.quantile_fraction": str(cfg.scheduler.quantile_fraction),
+                       "scheduler.resample_probability": str(cfg.scheduler.resample_probability)})
     tags = {SWEEP_TAG: sweep.name, "tune.role": "sweep", "mlflow.runName": sweep.name}
     parent = MlflowTracker.start(paths.tracking_uri, sweep.base.tracking.experiment, sweep.name,
                                  state.get("parent_run_id") if state else None, tags, params,
