@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from bench import rows
@@ -25,35 +26,47 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     wanted = args.rows.split(",")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {}}
+    results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {},
+                     "row_seconds": {}}
+    started = time.monotonic()
+
+    def timed(row: str, measure) -> None:
+        begun = time.monotonic()
+        results["rows"][row] = measure()
+        results["row_seconds"][row] = round(time.monotonic() - begun, 1)
+
     with tempfile.TemporaryDirectory() as base:
         if "memory" in wanted:  # two gloo processes, no Ray
             from bench.memory import memory
 
-            results["rows"]["memory"] = memory(args.quick)
+            timed("memory", lambda: memory(args.quick))
         if "cold_start" in wanted:  # first: it starts its own Ray, and must find none running
-            results["rows"]["cold_start"] = rows.cold_start(args.quick)
+            timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray
 
+        from training.run import live_local_cluster
+
+        live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
         os.environ["TRAINING_BASE_DIR"] = base
         ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=False)
         try:
             if "overhead" in wanted:
-                results["rows"]["overhead"] = rows.overhead(args.quick)
+                timed("overhead", lambda: rows.overhead(args.quick))
             if "checkpoint" in wanted:
-                results["rows"]["checkpoint"] = rows.checkpoint_cost(args.quick)
+                timed("checkpoint", lambda: rows.checkpoint_cost(args.quick))
             if "data_path" in wanted:
                 rates = {task: results["rows"].get("overhead", {}).get(f"{task}_2w", {}).get("service_samples_per_s", 0)
                          for task in rows.TASKS}
-                results["rows"]["data_path"] = rows.data_path(args.quick, rates)
+                timed("data_path", lambda: rows.data_path(args.quick, rates))
             if "gpu" in wanted:
-                results["rows"]["gpu"] = rows.gpu(args.quick)
+                timed("gpu", lambda: rows.gpu(args.quick))
             if "recovery" in wanted:
-                results["rows"]["recovery"] = rows.recovery(args.quick)
+                timed("recovery", lambda: rows.recovery(args.quick))
             if "sweep" in wanted:
-                results["rows"]["sweep"] = rows.sweep(args.quick)
+                timed("sweep", lambda: rows.sweep(args.quick))
         finally:
             ray.shutdown()
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
     results["ratios"] = ratios(results["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from bench.common import (CONFIGS, REPO, median, run_baseline, run_service, service_job,

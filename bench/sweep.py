@@ -46,7 +46,7 @@ def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tup
 
 def sweep(quick: bool) -> dict:
     seeds = [0] if quick else [0, 1, 2]
-    samples, steps, target = (2, 16, 0.3) if quick else (12, 320, 0.95)
+    samples, steps, target = (2, 16, 0.3) if quick else (8, 240, 0.95)
     per_seed = []
     with tempfile.TemporaryDirectory() as base:
         for seed in seeds:

@@ -1,6 +1,5 @@
 """A real S3 endpoint for tests: moto_server on loopback, reached through the usual AWS env vars."""
 
-import os
 import socket
 import subprocess
 import sys

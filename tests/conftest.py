@@ -32,8 +32,11 @@ def ray_cluster():
     """One local Ray cluster per test module (starting one costs 5-20 s)."""
     import ray
 
+    from training.run import live_local_cluster
+
     if ray.is_initialized():
         ray.shutdown()
+    live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
     ray.init(address="local", num_cpus=2, log_to_driver=True)
     yield ray
     ray.shutdown()
@@ -60,9 +63,10 @@ def wait_for(condition, timeout_s: float, what: str):
 
 
 @contextmanager
-def private_cluster(ray_tmpdir, worker_nodes: int):
+def private_cluster(ray_tmpdir, worker_nodes: int, dashboard: bool = False, log_to_driver: bool = False):
     """A head and `worker_nodes` nodes of 1 CPU (ray.cluster_utils.Cluster), connected, with Ray's
-    temp dir (and its "current cluster" file) kept private so that nothing else joins it."""
+    temp dir (and its "current cluster" file) kept private so that nothing else joins it, or waits
+    on it once it is gone. `dashboard`: serve the state API (Ray Train's placement-group cleaner)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -70,9 +74,9 @@ def private_cluster(ray_tmpdir, worker_nodes: int):
     os.environ["RAY_TMPDIR"] = str(ray_tmpdir)
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": dashboard})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(worker_nodes)]
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=log_to_driver)
     try:
         yield cluster, nodes
     finally:

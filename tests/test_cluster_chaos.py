@@ -81,7 +81,6 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def train_workers(cluster):
     """{pid: node id}: one RayTrainWorker on the head, two on each worker node."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     class RayTrainWorker:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, wait_for
+from conftest import CONFIGS, private_cluster, wait_for
 from training import checkpoint as ckpt
 from training import config as config_lib
 from training.run import run_training
@@ -20,18 +20,10 @@ COMMON = ["train.global_batch_size=32", "train.log_every_n_steps=10", "train.min
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def cluster(tmp_path_factory):
+    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=1, dashboard=True,
+                         log_to_driver=True) as (cluster, _):
+        yield cluster
 
 
 def ensure_two_nodes(cluster):

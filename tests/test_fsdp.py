@@ -3,9 +3,7 @@ only when every shard landed, resumable at another world size), ONNX export; the
 local Ray cluster: FSDP's loss curve against DDP's, and a resume at another world size."""
 
 import json
-import shutil
 
-import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint

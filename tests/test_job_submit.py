@@ -1,5 +1,5 @@
-"""`ray job submit --working-dir . -- python -m training ...` against a local head with token
-authentication on, exactly as a user submits from a laptop."""
+"""`ray job submit --working-dir . -- python -m training ...` (and `python -m tuning ...`) against a
+local head with token authentication on, exactly as a user submits from a laptop."""
 
 import json
 import os
@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture
-def head(tmp_path):
+@pytest.fixture(scope="module")
+def head():
     port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
@@ -39,13 +39,17 @@ def head(tmp_path):
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError("the Ray head did not start")
             time.sleep(1)
-    yield address, env
+    yield address, env, port
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(timeout=60)
+    # a head killed this way leaves its address as "the current cluster" for every later Ray client
+    from training.run import live_local_cluster
+
+    live_local_cluster()
 
 
 def test_job_submit_runs_training_on_the_cluster(head, tmp_path):
-    address, env = head
+    address, env, _ = head
     client_env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     refused = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=client_env,
                              capture_output=True, text=True, timeout=120)
@@ -68,3 +72,67 @@ def test_job_submit_runs_training_on_the_cluster(head, tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["training.run_name"] == "submitted"
     assert (tmp_path / "runs" / "submitted" / "checkpoint-00000060" / "state.pt").is_file()
+
+
+SWEEP = """
+base: training/configs/digits.yaml
+set: [train.max_steps=40, train.eval_every_n_steps=20, checkpoint.every_n_steps=20, tracking.experiment=submitted-sweeps]
+space:
+  optim.lr: {grid: [0.01, 0.03]}
+num_samples: 1
+trial:
+  driver_cpus: 0.25
+  scaling: {num_workers: 1, cpus_per_worker: 1}
+"""
+
+
+def launcher_config(path):
+    """What `ray up cluster.yaml` leaves on the head, for a head of 2 CPUs (this one) whose
+    autoscaler may add one worker node of 2 CPUs."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    types = config["available_node_types"]
+    types[config["head_node_type"]]["resources"] = {"CPU": 2, "GPU": 0}
+    worker = next(name for name in types if name != config["head_node_type"])
+    types[worker].update(min_workers=0, max_workers=1, resources={"CPU": 2})
+    for name in [n for n in types if n not in (worker, config["head_node_type"])]:
+        del types[name]
+    config["max_workers"] = 1
+    path.write_text(yaml.safe_dump(config))
+
+
+def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_path):
+    """Two trials of 1.25 CPUs on a head of 2: one fits now, but the launcher config says the cluster
+    grows to 4 CPUs, so both start and the second one's workers wait as demand the autoscaler
+    reports (`ray status`), until the first trial gives its CPU back."""
+    address, env, port = head
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    launcher_config(tmp_path / "launcher.yaml")
+    runtime_env = {"env_vars": {"TRAINING_BASE_DIR": str(tmp_path),
+                                "TRAINING_CLUSTER_CONFIG": str(tmp_path / "launcher.yaml")}}
+    submit = subprocess.Popen(
+        [f"{BIN}/ray", "job", "submit", "--address", address, "--working-dir", ".",
+         "--runtime-env-json", json.dumps(runtime_env), "--",
+         "python", "-m", "tuning", str(tmp_path / "sweep.yaml"), "--name", "submitted"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demands = []
+    while submit.poll() is None and not demands:
+        status = subprocess.run([f"{BIN}/ray", "status", "--address", f"127.0.0.1:{port}"], env=env,
+                                capture_output=True, text=True, timeout=60).stdout
+        demands = [line for line in status.split("Demands:", 1)[-1].splitlines()
+                   if "{'CPU': 1.0}" in line and "pending placement group" in line]
+        time.sleep(2)
+    output, _ = submit.communicate(timeout=600)
+    (tmp_path / "job-output.txt").write_text(output)  # for a look when something below fails
+    assert submit.returncode == 0, output[-4000:]
+    assert demands, "the second trial's workers never showed as demand in `ray status`"
+    assert "its autoscaler may grow it to CPU 4" in output and "up to 2 trial(s) at once" in output
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("submitted-sweeps").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("tune.role") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children + [parent])

@@ -87,6 +87,21 @@ def test_concurrency_keeps_room_for_one_trials_workers():
     assert not too_big.fits and "autoscaler" in too_big.note
 
 
+def test_on_an_autoscaling_cluster_trials_beyond_what_fits_now_wait_as_demand():
+    trial = TrialResources(driver={"CPU": 0.25}, min_workers={"CPU": 1.0, "GPU": 1.0}, max_workers={"CPU": 1.0, "GPU": 1.0})
+    head_only = {"CPU": 4.0}
+    largest = {"CPU": 36.0, "GPU": 8.0}
+    # nothing fits now, but 8 GPU nodes may come: 8 trials start, their workers are pending demand
+    decision = concurrency(None, trial, head_only, total_trials=20, largest=largest)
+    assert decision.trials == 8 and not decision.fits and decision.fits_at_largest
+    assert "grows to CPU 36, GPU 8" in decision.note
+    # the same cluster without its launcher config: one trial at a time
+    assert concurrency(None, trial, head_only, total_trials=20).trials == 1
+    # a trial that the cluster cannot hold even at its largest is refused
+    never = concurrency(None, trial, head_only, 4, largest={"CPU": 36.0})
+    assert not never.fits_at_largest and "grows it to at most CPU 36" in never.note
+
+
 def test_a_restarted_trial_resumes_its_own_run_and_an_exploit_starts_a_new_one():
     assert exploit.decide_start("s-t1", "t1", None).run_name == "s-t1"
     own = exploit.decide_start("s-t1", "t1", {"run": "s-t1-x40", "trial_id": "t1", "step": 80})

@@ -163,6 +163,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
                         f"{str(exc).splitlines()[0][:300]}") from None
     if record is not None:
         check_resumable(job, record, name)
+    from training.capacity import maximum_resources
+    from training.cost import cluster_config_path
+
+    largest = maximum_resources(cluster_config_path(job.tracking.cluster_config))  # None: no autoscaler config
 
     def check(task: str, spec: dict, rows: dict) -> None:  # on the loaded data, before anything is written
         check_model_fits_task(job.model.name, task)
@@ -190,7 +194,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
 
     try:
         result = _fit(job, paths, manifest, tracker, name, timings, callbacks=callbacks,
-                      initial_checkpoint=initial_checkpoint)
+                      initial_checkpoint=initial_checkpoint, largest=largest)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
@@ -258,7 +262,7 @@ def _artifact_location(paths: RunPaths, job: JobConfig) -> Optional[str]:
 
 
 def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings: dict, callbacks: tuple = (),
-         initial_checkpoint: Optional[str] = None):
+         initial_checkpoint: Optional[str] = None, largest: Optional[dict] = None):
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -286,8 +290,10 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
     timings["ray_ready"] = time.time()
     try:
         use_gpu = job.scaling.use_gpu
-        if use_gpu == "auto":
-            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        if use_gpu == "auto":  # an autoscaling cluster may have no GPU node yet
+            from training.capacity import use_gpus
+
+            use_gpu = use_gpus(ray.cluster_resources(), largest)
         scaling = ray.train.ScalingConfig(
             num_workers=job.scaling.num_workers if isinstance(job.scaling.num_workers, int)
             else tuple(job.scaling.num_workers),
@@ -317,18 +323,24 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
 
 
 def live_local_cluster() -> Optional[str]:
-    """The address of a cluster started on this machine with `ray start`, if it is alive. Ray would
-    otherwise wait on the address a dead cluster left in /tmp/ray/ray_current_cluster."""
+    """The address of a cluster started on this machine with `ray start`, if it is alive. A dead
+    cluster's address (left in /tmp/ray/ray_current_cluster when its head was killed) is forgotten,
+    as `ray stop` would: `ray.init()` would wait on it, and so would the state API in every process
+    of the next cluster (40 s per call: Ray Train's placement-group cleaner stalls each run's end)."""
     try:
+        from ray._common.utils import reset_ray_address
         from ray._private.services import get_ray_address_from_environment
 
         address = get_ray_address_from_environment(None, None)
-    except Exception:  # none recorded (or Ray's private helper moved): start a local cluster
+    except Exception:  # none recorded (or Ray's private helpers moved): start a local cluster
         return None
-    host, _, port = (address or "").rpartition(":")
+    if address is None:
+        return None
+    host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=2).close()
     except (OSError, ValueError):
+        reset_ray_address()
         return None
     return address
 

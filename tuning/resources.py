@@ -41,10 +41,12 @@ class ConcurrencyDecision:
     trials: int
     fits: bool  # one trial fits on the cluster as it is now
     note: Optional[str] = None
+    fits_at_largest: bool = True  # one trial fits on the cluster at the largest its autoscaler makes it
 
 
-def trial_resources(job: JobConfig, driver_cpus: float, cluster_has_gpus: bool) -> TrialResources:
-    use_gpu = cluster_has_gpus if job.scaling.use_gpu == "auto" else job.scaling.use_gpu
+def trial_resources(job: JobConfig, driver_cpus: float, use_gpu: bool) -> TrialResources:
+    """`use_gpu`: whether `scaling.use_gpu: auto` means GPUs on this cluster."""
+    use_gpu = use_gpu if job.scaling.use_gpu == "auto" else job.scaling.use_gpu
     per_worker = {"CPU": job.scaling.cpus_per_worker, **job.scaling.resources_per_worker,
                   **({"GPU": 1.0} if use_gpu else {})}
     return TrialResources(driver={"CPU": driver_cpus},
@@ -53,31 +55,45 @@ def trial_resources(job: JobConfig, driver_cpus: float, cluster_has_gpus: bool) 
 
 
 def concurrency(requested: Optional[int], resources: TrialResources, cluster: dict[str, float],
-                total_trials: int) -> ConcurrencyDecision:
-    """How many trials run at once. Default: as many as fit whole. A request above what is safe is
-    lowered: trial drivers would leave no room for any trial's workers, and every trial would wait."""
-    fits = all(cluster.get(k, 0.0) + 1e-9 >= v for k, v in _add(resources.driver, resources.min_workers).items())
-    if not fits:
-        need = ", ".join(f"{k} {v:g}" for k, v in resources.total().items())
+                total_trials: int, largest: Optional[dict[str, float]] = None) -> ConcurrencyDecision:
+    """How many trials run at once. Default: as many as fit whole on the cluster at its largest (the
+    autoscaler's limit when its config is known, else the cluster as it is now): the trials beyond
+    what fits now wait as demand the autoscaler sees. A request above what is safe is lowered:
+    trial drivers would leave no room for any trial's workers, and every trial would wait."""
+    one = _add(resources.driver, resources.min_workers)
+    fits = _within(one, cluster)
+    capacity = {k: max(cluster.get(k, 0.0), (largest or {}).get(k, 0.0)) for k in set(cluster) | set(largest or {})}
+    need = ", ".join(f"{k} {v:g}" for k, v in resources.total().items())
+    if largest is not None and not _within(one, capacity):
+        return ConcurrencyDecision(1, fits, f"one trial needs {need}; the cluster's autoscaler grows it to at most "
+                                   f"{describe(capacity)}", fits_at_largest=False)
+    if not _within(one, capacity):
         return ConcurrencyDecision(requested or 1, False,
-                                   f"one trial needs {need}; the cluster has {_describe(cluster)} now: trials wait "
+                                   f"one trial needs {need}; the cluster has {describe(cluster)} now: trials wait "
                                    "for the autoscaler to add nodes")
-    whole = min(math.floor(cluster.get(k, 0.0) / v + 1e-9) for k, v in resources.total().items() if v > 0)
-    safe = min((math.floor((cluster.get(k, 0.0) - resources.min_workers.get(k, 0.0)) / v + 1e-9)
+    note = None if fits else (f"one trial needs {need}; the cluster has {describe(cluster)} now and grows to "
+                              f"{describe(capacity)}: trials wait for the autoscaler to add nodes")
+    whole = min(math.floor(capacity.get(k, 0.0) / v + 1e-9) for k, v in resources.total().items() if v > 0)
+    safe = min((math.floor((capacity.get(k, 0.0) - resources.min_workers.get(k, 0.0)) / v + 1e-9)
                 for k, v in resources.driver.items() if v > 0), default=total_trials)
     if requested is None:
-        return ConcurrencyDecision(max(1, min(whole, total_trials)), True)
+        return ConcurrencyDecision(max(1, min(whole, total_trials)), fits, note)
     if requested > max(safe, 1):
-        return ConcurrencyDecision(max(safe, 1), True, f"max_concurrent_trials lowered from {requested} to "
-                                   f"{max(safe, 1)}: more trial drivers would leave no room for a trial's workers")
-    return ConcurrencyDecision(requested, True)
+        lowered = (f"max_concurrent_trials lowered from {requested} to {max(safe, 1)}: more trial drivers would "
+                   "leave no room for a trial's workers")
+        return ConcurrencyDecision(max(safe, 1), fits, "; ".join(filter(None, (note, lowered))))
+    return ConcurrencyDecision(requested, fits, note)
+
+
+def _within(need: dict[str, float], resources: dict[str, float]) -> bool:
+    return all(resources.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
 
 
 def _add(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
 
 
-def _describe(resources: dict) -> str:
+def describe(resources: dict) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU") or not k.startswith(
         ("node:", "memory", "object_store", "accelerator")))
 

@@ -105,10 +105,14 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     import ray
     from ray import tune
 
+    from training.capacity import maximum_resources, use_gpus
+    from training.cost import cluster_config_path
     from training.plugins import plugin_module_paths
     from training.run import in_submitted_job, live_local_cluster
     from tuning import resources, schedule
     from tuning.trial import TrialSetup, train_trial
+
+    largest = maximum_resources(cluster_config_path(sweep.base.tracking.cluster_config))  # None: no autoscaler config
 
     # Save the sweep's state often: a driver that dies resumes from it (it is small).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
@@ -122,13 +126,18 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     local_only = started_ray and not os.environ.get("RAY_ADDRESS") and address == "local"
     try:
         cluster = ray.cluster_resources()
-        needs = resources.trial_resources(sweep.base, sweep.config.trial.driver_cpus, cluster.get("GPU", 0) > 0)
+        needs = resources.trial_resources(sweep.base, sweep.config.trial.driver_cpus, use_gpus(cluster, largest))
         decision = resources.concurrency(sweep.config.max_concurrent_trials, needs, cluster,
-                                         schedule.trial_count(sweep))
+                                         schedule.trial_count(sweep), largest)
+        if not decision.fits_at_largest:
+            raise UserError(f"trial.scaling: {decision.note}")
         if not decision.fits and local_only:
             raise UserError(f"trial.scaling: {decision.note} (this local cluster has no autoscaler)")
         if decision.note:
             log(f"sweep: {decision.note}")
+        if largest is not None:
+            log(f"sweep: the cluster has {resources.describe(cluster)} now; its autoscaler may grow it to "
+                f"{resources.describe(largest)}")
         log(f"sweep: up to {decision.trials} trial(s) at once, each {needs.total()}")
         setup = TrialSetup(sweep_name=sweep.name, base_raw=schedule.absolute_base(sweep, paths),
                            base_dir=paths.base_dir, tracking_uri=paths.tracking_uri,

@@ -10,7 +10,6 @@ session through a queue, so that ASHA decides at every evaluation and PBT can co
 from __future__ import annotations
 
 import os
-import queue as queue_lib
 import tempfile
 import threading
 from dataclasses import dataclass

@@ -1,0 +1,56 @@
+"""How large the Ray cluster can grow, from the cluster launcher's config.
+
+An autoscaling cluster starts small (cluster.yaml: GPU workers from zero), so what Ray reports now
+is not what a job may use. On a cluster started by `ray up cluster.yaml` the head holds the
+launcher's copy of the config and `$TRAINING_CLUSTER_CONFIG` names it; the largest cluster is the
+head plus every worker type at its `max_workers`, within the cluster's own `max_workers`. Without
+a config (a laptop, a cluster of fixed machines) the cluster is what Ray reports now.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from training.errors import UserError
+
+
+def maximum_resources(cluster_config: Optional[str]) -> Optional[dict[str, float]]:
+    """The logical resources of the cluster at its largest, or None without a config. Node types
+    whose resources the config leaves to autodetection are not counted (they are unknown here)."""
+    if not cluster_config:
+        return None
+    from cluster.config import ConfigError, load_cluster_yaml
+
+    try:
+        config = load_cluster_yaml(cluster_config)
+    except ConfigError as exc:
+        raise UserError(f"the cluster config (tracking.cluster_config or $TRAINING_CLUSTER_CONFIG): {exc}") from None
+    return launcher_maximum(config)
+
+
+def launcher_maximum(config: dict[str, Any]) -> dict[str, float]:
+    types = config.get("available_node_types") or {}
+    head_type = config.get("head_node_type")
+    total: dict[str, float] = {}
+    _add(total, (types.get(head_type) or {}).get("resources") or {}, 1)
+    room = config.get("max_workers", math.inf)
+    # The autoscaler prefers higher-priority types; fill the cluster's worker cap in that order.
+    workers = sorted(((name, spec) for name, spec in types.items() if name != head_type),
+                     key=lambda item: -float((item[1] or {}).get("priority", 0)))
+    for _, spec in workers:
+        spec = spec or {}
+        count = min(int(spec.get("max_workers", 0)), room)
+        room -= count
+        _add(total, spec.get("resources") or {}, count)
+    return total
+
+
+def use_gpus(now: dict[str, float], maximum: Optional[dict[str, float]]) -> bool:
+    """`scaling.use_gpu: auto`: GPUs if the cluster has any now or can be grown to have some."""
+    return now.get("GPU", 0) > 0 or bool(maximum and maximum.get("GPU", 0) > 0)
+
+
+def _add(total: dict[str, float], resources: dict, count: int) -> None:
+    for key, value in resources.items():
+        total[key] = total.get(key, 0.0) + float(value) * count
