@@ -124,13 +124,15 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
     assert cluster_config_path("~/x.yaml").endswith("/x.yaml")
 
 
-def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path):
+def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypatch):
     from conftest import REPO
     from training.capacity import maximum_resources, use_gpus
 
+    assert maximum_resources() is None  # not on a launched head
     # cluster.yaml: a head of 4 CPUs, then spot (priority 10, up to 8 x {4 CPU, 1 GPU}) before
     # on-demand (up to 4 x {8 CPU, 1 GPU}), within max_workers 12
-    largest = maximum_resources(str(REPO / "cluster.yaml"))
+    monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
+    largest = maximum_resources()
     assert largest == {"CPU": 4 + 8 * 4 + 4 * 8, "GPU": 12}
     # no GPU node yet (GPU workers start from zero): `auto` still trains on GPUs
     assert use_gpus({"CPU": 4.0}, largest) and not use_gpus({"CPU": 4.0}, None)
@@ -138,10 +140,11 @@ def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path):
     capped.write_text("max_workers: 3\nhead_node_type: h\navailable_node_types:\n  h: {resources: {CPU: 2}}\n"
                       "  a: {max_workers: 2, priority: 1, resources: {CPU: 1}}\n"
                       "  b: {max_workers: 2, priority: 5, resources: {CPU: 10}}\n")
-    assert maximum_resources(str(capped)) == {"CPU": 2 + 2 * 10 + 1 * 1}
-    assert maximum_resources(None) is None
+    monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(capped))
+    assert maximum_resources() == {"CPU": 2 + 2 * 10 + 1 * 1}
+    monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(UserError, match="TRAINING_CLUSTER_CONFIG.*no such file"):
-        maximum_resources(str(tmp_path / "missing.yaml"))
+        maximum_resources()
 
 
 def test_early_stopping_counts_evaluations_without_improvement():

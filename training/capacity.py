@@ -10,22 +10,26 @@ a config (a laptop, a cluster of fixed machines) the cluster is what Ray reports
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 from training.errors import UserError
 
 
-def maximum_resources(cluster_config: Optional[str]) -> Optional[dict[str, float]]:
-    """The logical resources of the cluster at its largest, or None without a config. Node types
+def maximum_resources() -> Optional[dict[str, float]]:
+    """The logical resources of the cluster this driver runs on at its largest, from
+    `$TRAINING_CLUSTER_CONFIG` (only the head's environment says which cluster it is: a job's
+    `tracking.cluster_config` prices a run, it does not move it), or None without one. Node types
     whose resources the config leaves to autodetection are not counted (they are unknown here)."""
-    if not cluster_config:
+    path = os.environ.get("TRAINING_CLUSTER_CONFIG")
+    if not path:
         return None
     from cluster.config import ConfigError, load_cluster_yaml
 
     try:
-        config = load_cluster_yaml(cluster_config)
+        config = load_cluster_yaml(os.path.expanduser(path))
     except ConfigError as exc:
-        raise UserError(f"the cluster config (tracking.cluster_config or $TRAINING_CLUSTER_CONFIG): {exc}") from None
+        raise UserError(f"$TRAINING_CLUSTER_CONFIG: {exc}") from None
     return launcher_maximum(config)
 
 

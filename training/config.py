@@ -87,8 +87,8 @@ class TrainConfig(_Section):
 class ScalingConfig(_Section):
     # A fixed number of workers, or [min, max] for elastic training.
     num_workers: Union[int, tuple[int, int]] = 2
-    # auto: GPUs when the cluster has any, or can grow to have some (its launcher config, see
-    # tracking.cluster_config).
+    # auto: GPUs when the cluster has any, or can grow to have some ($TRAINING_CLUSTER_CONFIG, the
+    # launcher's config, which cluster.yaml names on the head).
     use_gpu: Union[bool, Literal["auto"]] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
@@ -161,8 +161,7 @@ class TrackingConfig(_Section):
     register_model: bool = True
     # Registry name; default "<data.source>-<model.name>".
     registered_model_name: Optional[str] = None
-    # A cluster config (cluster.yaml) to price the run by, and to know how far the cluster can grow
-    # (scaling.use_gpu: auto; a sweep's trials at once); default $TRAINING_CLUSTER_CONFIG.
+    # A cluster config (cluster.yaml) to price the run by; default $TRAINING_CLUSTER_CONFIG.
     cluster_config: Optional[str] = None
     # Export the final model to ONNX (checked against PyTorch with onnxruntime) and log it as an
     # artifact. Default: on for built-in models, off for plug-ins. A failed export only warns.

@@ -164,9 +164,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     if record is not None:
         check_resumable(job, record, name)
     from training.capacity import maximum_resources
-    from training.cost import cluster_config_path
 
-    largest = maximum_resources(cluster_config_path(job.tracking.cluster_config))  # None: no autoscaler config
+    largest = maximum_resources()  # None: no launcher config on this machine
 
     def check(task: str, spec: dict, rows: dict) -> None:  # on the loaded data, before anything is written
         check_model_fits_task(job.model.name, task)

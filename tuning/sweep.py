@@ -106,13 +106,12 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     from ray import tune
 
     from training.capacity import maximum_resources, use_gpus
-    from training.cost import cluster_config_path
     from training.plugins import plugin_module_paths
     from training.run import in_submitted_job, live_local_cluster
     from tuning import resources, schedule
     from tuning.trial import TrialSetup, train_trial
 
-    largest = maximum_resources(cluster_config_path(sweep.base.tracking.cluster_config))  # None: no autoscaler config
+    largest = maximum_resources()  # None: no launcher config on this machine
 
     # Save the sweep's state often: a driver that dies resumes from it (it is small).
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
