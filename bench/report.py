@@ -11,11 +11,19 @@ def _f(value, digits=2):
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _took(results: dict) -> str:
+    if not results.get("elapsed_s"):
+        return ""
+    rows = ", ".join(f"{k} {v / 60:.1f}" for k, v in sorted(results.get("row_seconds", {}).items(),
+                                                           key=lambda kv: -kv[1]) if v >= 60)
+    return f" The run took {results['elapsed_s'] / 60:.0f} min ({rows} min)."
+
+
 def markdown(results: dict) -> str:
     m, r = results["machine"], results["rows"]
     lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
              f"{m['cpu'] or 'unknown CPU'}, {m['cores']} cores, torch {m['torch']}, Ray {m['ray']}, Python {m['python']}"
-             f"{', ' + m['cuda'] if m.get('cuda') else ''}.", "",
+             f"{', ' + m['cuda'] if m.get('cuda') else ''}.{_took(results)}", "",
              "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
     for key, v in r.get("overhead", {}).items():
         lines.append(f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "

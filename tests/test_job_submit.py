@@ -78,8 +78,9 @@ SWEEP = """
 base: training/configs/digits.yaml
 set: [train.max_steps=40, train.eval_every_n_steps=20, checkpoint.every_n_steps=20, tracking.experiment=submitted-sweeps]
 space:
-  optim.lr: {grid: [0.01, 0.03]}
-num_samples: 1
+  optim.lr: {loguniform: [0.01, 0.05]}
+search: {algorithm: optuna, seed: 0}
+num_samples: 2
 trial:
   driver_cpus: 0.25
   scaling: {num_workers: 1, cpus_per_worker: 1}
@@ -103,9 +104,9 @@ def launcher_config(path):
 
 
 def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_path):
-    """Two trials of 1.25 CPUs on a head of 2: one fits now, but the launcher config says the cluster
-    grows to 4 CPUs, so both start and the second one's workers wait as demand the autoscaler
-    reports (`ray status`), until the first trial gives its CPU back."""
+    """Two trials (suggested by Optuna's TPE) of 1.25 CPUs on a head of 2: one fits now, but the
+    launcher config says the cluster grows to 4 CPUs, so both start and the second one's workers
+    wait as demand the autoscaler reports (`ray status`), until the first trial gives its CPU back."""
     address, env, port = head
     (tmp_path / "sweep.yaml").write_text(SWEEP)
     launcher_config(tmp_path / "launcher.yaml")
