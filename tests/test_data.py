@@ -6,6 +6,7 @@ import os
 import boto3
 import numpy as np
 import pytest
+import torch
 
 from aws import moto_server, s3_env
 from training.config import DataConfig
@@ -95,6 +96,20 @@ def test_resuming_mid_epoch_reads_what_an_uninterrupted_run_reads(tmp_path):
     expected = [uninterrupted.batch(s)["x"] for s in range(10, 60)]
     resumed = TrainShard(reader, plan, seed=0)  # a new process that starts at step 10
     assert all(np.array_equal(resumed.batch(s)["x"], e) for s, e in zip(range(10, 60), expected))
+
+
+@pytest.mark.parametrize("source", ["digits", "tinylm"])
+def test_a_split_read_into_memory_gives_the_rows_read_from_parquet(tmp_path, source):
+    options = {"seq_len": 32, "max_bytes": 50_000} if source == "tinylm" else {}
+    manifest = prepare(DataConfig(source=source, options=options), str(tmp_path), log=quiet)
+    in_memory, from_files = SplitReader(manifest, "train"), SplitReader(manifest, "train", in_memory_limit_bytes=0)
+    assert in_memory._table is not None and from_files._table is None
+    plan = BatchPlan(16, 2, 1)
+    a, b = TrainShard(in_memory, plan, seed=4), TrainShard(from_files, plan, seed=4)
+    for step in (0, 3, a.steps_per_epoch + 1):
+        batch_a, batch_b = a.batch(step), b.batch(step)
+        assert batch_a.keys() == batch_b.keys()
+        assert all(torch.equal(batch_a[k], batch_b[k]) and batch_a[k].dtype == batch_b[k].dtype for k in batch_a)
 
 
 def test_micro_batches_cover_the_part():

@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import pyarrow.fs as pafs
 import torch
 
@@ -53,8 +52,23 @@ class LoopState:
     stopped_early: bool = False
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    """A well-mixed 63-bit seed for (seed, step, rank): splitmix64 chained over the three, a few
+    microseconds where numpy's SeedSequence took ~80 (2% of a digits step)."""
+    x = 0
+    for value in (seed, step, rank):
+        x = _splitmix64(x ^ (value & _MASK64))
+    return x >> 1
 
 
 def checkpoint_dir_name(step: int) -> str:

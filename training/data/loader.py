@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
@@ -46,18 +47,43 @@ class BatchPlan:
         return steps
 
 
-class SplitReader:
-    """Reads rows of one split by index from its Parquet shards (local or s3://)."""
+# A split whose decoded rows fit in this many bytes is read once and kept in memory: a small
+# dataset's epochs are then cut from memory, as a hand-written loop would (digits: 4% of step time
+# went to re-reading its Parquet every 22 steps). Larger splits are read epoch by epoch.
+IN_MEMORY_LIMIT_BYTES = 256 << 20
 
-    def __init__(self, manifest: Manifest, split: str):
+
+def row_bytes(schema: pa.Schema) -> int | None:
+    """Decoded bytes per row for fixed-width columns (None when a column has no fixed width)."""
+    total = 0
+    for field in schema:
+        kind, count = field.type, 1
+        if pa.types.is_fixed_size_list(kind):
+            kind, count = kind.value_type, kind.list_size
+        try:
+            total += count * kind.bit_width // 8
+        except ValueError:
+            return None
+    return total
+
+
+class SplitReader:
+    """Reads rows of one split by index from its Parquet shards (local or s3://); a small split
+    is read whole, once (see IN_MEMORY_LIMIT_BYTES)."""
+
+    def __init__(self, manifest: Manifest, split: str, in_memory_limit_bytes: int = IN_MEMORY_LIMIT_BYTES):
         fs, _ = storage.filesystem(manifest.root)
         paths = [storage.filesystem(uri)[1] for uri in manifest.shard_uris(split)]
         self.dataset = pads.dataset(paths, filesystem=fs, format="parquet")
         self.task = manifest.task
         self.num_rows = manifest.rows(split)
+        width = row_bytes(self.dataset.schema)
+        small = width is not None and width * self.num_rows <= in_memory_limit_bytes
+        self._table = self.dataset.to_table() if small else None
 
     def take(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        table = self.dataset.take(np.asarray(indices, dtype=np.int64))
+        indices = np.asarray(indices, dtype=np.int64)
+        table = self._table.take(indices) if self._table is not None else self.dataset.take(indices)
         if self.task == "classification":
             column = table.column("x").combine_chunks()
             width = column.type.list_size
