@@ -2,7 +2,8 @@
 run with no failures, in the same Ray cluster. Measured from the run's own metrics in MLflow:
 - kill -> next step: seconds from each kill to the first step of the restarted worker group;
 - steps lost: the step the run had reached at the kill minus the step the new group resumed from;
-- efficiency: failure-free wall time / wall time with failures, for the same steps.
+- efficiency: failure-free wall time / wall time with failures, for the same steps (the failure-free
+  time from a shorter failure-free run plus the remaining steps at its steady rate).
 A failure comes `interval_s` of training after the previous recovery (60 s in a full run)."""
 
 from __future__ import annotations
@@ -81,32 +82,46 @@ def analyse(kills: list[float], metrics: dict) -> list[dict]:
     return found
 
 
+def clean_wall_for(steps: int, clean_steps: int, clean_wall_s: float, history: list[tuple[int, float]]) -> float:
+    """Failure-free wall time for `steps`, from a failure-free run of `clean_steps`: its own wall
+    time plus the remaining steps at its steady rate (the second half of its reports)."""
+    points = history[len(history) // 2:]
+    (s0, w0), (s1, w1) = points[0], points[-1]
+    return clean_wall_s + (steps - clean_steps) * (w1 - w0) / (s1 - s0)
+
+
 def recovery(quick: bool) -> dict:
     from bench.common import run_service
 
-    interval_s, steps, max_kills = (5.0, 1500, 1) if quick else (60.0, 20000, 100)
-    overrides = [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps // 10}", "checkpoint.every_n_steps=500",
+    # A full run trains ~2.5 minutes, so two failures land; its failure-free twin runs a sixth of
+    # the steps, and the rest is added at that run's own steady rate.
+    interval_s, steps, max_kills = (5.0, 1500, 1) if quick else (60.0, 24000, 100)
+    clean_steps = steps if quick else steps // 6
+    overrides = [f"train.eval_every_n_steps={steps // 10}", "checkpoint.every_n_steps=500",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
                  "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false"]
-    clean, _ = run_service(service_job("digits.yaml", overrides, "recovery-clean"))
+    clean, clean_history = run_service(service_job("digits.yaml", overrides + [f"train.max_steps={clean_steps}"],
+                                                   "recovery-clean"))
     kills: list[float] = []
     run_dir = Path(clean.run_dir).parent / "recovery-chaos"
     stop = threading.Event()
     killer = threading.Thread(target=_killer, args=(run_dir, interval_s, stop, kills, max_kills), daemon=True)
     killer.start()
     try:
-        chaotic, _ = run_service(service_job("digits.yaml", overrides, "recovery-chaos"))
+        chaotic, _ = run_service(service_job("digits.yaml", overrides + [f"train.max_steps={steps}"], "recovery-chaos"))
     finally:
         stop.set()
         killer.join(timeout=5)
     per_kill = analyse(kills, _metrics(chaotic))
+    clean_wall = clean_wall_for(steps, clean_steps, clean.wall_s, clean_history)
     return {
         "steps": steps, "failure_every_s": interval_s, "kills": len(kills), "recoveries_measured": len(per_kill),
         "kill_to_next_step_s_median": median([k["kill_to_next_step_s"] for k in per_kill]) if per_kill else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
         "checkpoint_every_n_steps": 500,
-        "clean_wall_s": clean.wall_s, "chaos_wall_s": chaotic.wall_s,
-        "efficiency": clean.wall_s / chaotic.wall_s,
+        "clean_steps": clean_steps, "clean_run_wall_s": clean.wall_s,
+        "clean_wall_s": clean_wall, "chaos_wall_s": chaotic.wall_s,
+        "efficiency": clean_wall / chaotic.wall_s,
         "per_kill": per_kill,
     }

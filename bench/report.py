@@ -16,7 +16,7 @@ def _took(results: dict) -> str:
         return ""
     rows = ", ".join(f"{k} {v / 60:.1f}" for k, v in sorted(results.get("row_seconds", {}).items(),
                                                            key=lambda kv: -kv[1]) if v >= 60)
-    return f" The run took {results['elapsed_s'] / 60:.0f} min ({rows} min)."
+    return f" The run took {results['elapsed_s'] / 60:.0f} min{f' ({rows} min)' if rows else ''}."
 
 
 def markdown(results: dict) -> str:
@@ -27,8 +27,8 @@ def markdown(results: dict) -> str:
              "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
     for key, v in r.get("overhead", {}).items():
         lines.append(f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "
-                     f"| **{v['overhead_ratio']:.3f}** | steady-state samples/s (first 20% of {v['steps']} steps "
-                     f"excluded), service on Ray Train vs {v['baseline']}, same model, data, batch, threads |")
+                     f"| **{v['overhead_ratio']:.3f}** | steady-state samples/s (first {v.get('warmup_steps', v['steps'] // 5)} of "
+                     f"{v['steps']} steps excluded), service on Ray Train vs {v['baseline']}, same model, data, batch, threads |")
     if "cold_start" in r:
         c = r["cold_start"]
         lines.append(f"| cold start | {c['command_to_first_step_s']:.1f} s to first step | — | `python -m training` "
@@ -39,7 +39,8 @@ def markdown(results: dict) -> str:
         c = r["checkpoint"]
         lines.append(f"| checkpoint stall | sync {100 * c['sync_step_overhead']:.1f}%, async "
                      f"{100 * c['async_step_overhead']:.1f}% of throughput | — | tinylm 3.2M params, "
-                     f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint |")
+                     f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint "
+                     "(all three evaluate at that cadence, as a scored checkpoint does) |")
         lines.append(f"| checkpoint write | {c['checkpoint_write_mb_per_s']:.0f} MB/s vs disk {c['disk_write_mb_per_s']:.0f} MB/s "
                      f"| **{c['write_throughput_ratio']:.2f}** | serialize + copy to storage (blocking time of a sync "
                      f"checkpoint) vs raw write+fsync of the same bytes |")
@@ -63,7 +64,8 @@ def markdown(results: dict) -> str:
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency | digits, 2 "
                          f"workers, {v['steps']} steps with a worker SIGKILLed every {v['failure_every_s']:.0f} s "
-                         f"({v['kills']} kills) vs the same run without failures: wall-time ratio |")
+                         f"({v['kills']} kills) vs without failures (a failure-free run of {v.get('clean_steps', v['steps'])} "
+                         "steps, the rest at its steady rate): wall-time ratio |")
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
                              for s in v["seeds"])

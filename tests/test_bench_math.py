@@ -1,0 +1,39 @@
+"""The arithmetic behind the benchmark rows, on hand-made inputs (the harness itself runs in
+test_bench.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from bench.common import steady_samples_per_s
+from bench.recovery import analyse, clean_wall_for
+from bench.sweep import steps_to_target
+
+
+def test_steady_throughput_skips_the_warm_up():
+    history = [(10, 100.0), (20, 105.0), (30, 106.0), (40, 107.0)]  # a slow start, then 10 steps/s
+    assert steady_samples_per_s(history, warmup_steps=20, global_batch=8) == pytest.approx(20 * 8 / 2.0)
+    with pytest.raises(RuntimeError, match="too few reports"):
+        steady_samples_per_s(history, warmup_steps=40, global_batch=8)
+
+
+def test_failure_free_time_extends_a_short_run_at_its_steady_rate():
+    history = [(0, 0.0), (10, 5.0), (20, 6.0), (30, 7.0)]  # steady: 10 steps/s once past the start
+    assert clean_wall_for(100, 30, 8.0, history) == pytest.approx(8.0 + 70 / 10)
+    assert clean_wall_for(30, 30, 8.0, history) == 8.0
+
+
+def test_recovery_reads_kill_to_next_step_and_steps_lost():
+    metrics = {"wall_time": [(100, 10.0), (200, 20.0), (300, 30.0)],
+               "first_step_time": [(100, 5.0), (250, 40.0)],  # the second group's first step, 40.0
+               "start_step": [(100, 0.0), (250, 200.0)]}      # resumed from the checkpoint at 200
+    (found,) = analyse([35.0], metrics)
+    assert found["kill_to_next_step_s"] == pytest.approx(5.0)
+    assert found["steps_lost"] == pytest.approx(350 - 200)  # reached 350 at the kill (10 steps/s)
+
+
+def test_sweep_work_counts_every_trials_steps_until_the_first_hit():
+    a = SimpleNamespace(trial_id="a", timeline=[(10, 0.5, 1.0), (20, 0.9, 3.0)])
+    b = SimpleNamespace(trial_id="b", timeline=[(10, 0.96, 2.0), (20, 0.97, 4.0)])
+    assert steps_to_target([a, b], 0.95) == 10 + 10  # a's 10 steps came before b hit the target
+    assert steps_to_target([a, b], 0.99) is None
