@@ -28,7 +28,7 @@ def steps_to_target(rows, target: float):
     return None
 
 
-def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path, worker_cpus: float) -> tuple[list, int]:
+def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
     from tuning import config as sweep_config
     from tuning.sweep import run_sweep
 
@@ -37,14 +37,14 @@ def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path, worker
             " train.min_report_interval_s=0, tracking.experiment=bench-sweep, tracking.register_model=false]\n"
             f"{SPACE}search: {{algorithm: random, seed: {seed}}}\n"
             f"scheduler: {{name: {scheduler}, grace_period_steps: {steps // 8}, reduction_factor: 2}}\n"
-            f"num_samples: {samples}\ntrial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: {worker_cpus}}}}}\n")
+            f"num_samples: {samples}\ntrial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}\n")
     path = base / f"{scheduler}-{seed}.yaml"
     path.write_text(body)
     summary = run_sweep(sweep_config.load(path, name=f"bench-{scheduler}-{seed}"), log=lambda line: None)
     return summary.rows, sum(row.steps for row in summary.rows)
 
 
-def sweep(quick: bool, seeds=None, samples=None, steps=None, worker_cpus: float = 0.5) -> dict:
+def sweep(quick: bool, seeds=None, samples=None, steps=None) -> dict:
     # A trial costs ~20 s here whatever its length (a Ray Train run starts ~8 processes), so a full
     # run is one seed of 6 trials (`python -m bench --wide-sweep`: 3 seeds of 8 trials of 240 steps).
     seeds = seeds or [0]
@@ -55,7 +55,7 @@ def sweep(quick: bool, seeds=None, samples=None, steps=None, worker_cpus: float 
         for seed in seeds:
             result = {"seed": seed}
             for scheduler in ("asha", "fifo"):
-                rows, total = _run(scheduler, seed, samples, steps, Path(base), worker_cpus)
+                rows, total = _run(scheduler, seed, samples, steps, Path(base))
                 result[scheduler] = {"steps_to_target": steps_to_target(rows, target), "total_steps": total,
                                      "stopped": sum(r.status == "stopped" for r in rows)}
             per_seed.append(result)
