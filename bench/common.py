@@ -40,7 +40,7 @@ def run_service(job):
     """Run a training job in this process (Ray already started) and return (summary, history)."""
     from mlflow.tracking import MlflowClient
 
-    from training.run import run_training
+    from training.run.driver import run_training
 
     summary = run_training(job, log=lambda line: None)
     client = MlflowClient(summary.tracking_uri)

@@ -28,7 +28,7 @@ def _worker(rank: int, strategy: str, options: dict, seq_len: int, port: int, ou
     try:
         from training.config import ParallelConfig
         from training.models.gpt import GPT, GPTOptions
-        from training.parallel import local_bytes, wrap
+        from training.worker.parallel import local_bytes, wrap
 
         torch.manual_seed(0)
         model = GPT(256, seq_len, GPTOptions(**options))

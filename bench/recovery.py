@@ -28,7 +28,7 @@ def train_worker_pids() -> list[int]:
 def _newest_checkpoint(run_dir: Path) -> int:
     import pyarrow.fs as pafs
 
-    from training.checkpoint import newest_complete
+    from training.checkpoint.format import newest_complete
 
     newest = newest_complete(pafs.LocalFileSystem(), str(run_dir))
     return newest[0] if newest else -1

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import CONFIGS
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import config as config_lib
-from training.run import run_training
+from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 

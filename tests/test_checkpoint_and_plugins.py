@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training.config import OptimConfig
 from training.errors import UserError
-from training.loop import build_optimizer, lr_factor
+from training.worker.loop import build_optimizer, lr_factor
 from training.models import build_model, check_model_fits_task
 
 DIGITS = {"task": "classification", "input_dim": 64, "num_classes": 10}
@@ -110,7 +110,7 @@ def test_model_must_fit_the_task():
 
 def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
     from conftest import REPO
-    from training.cost import cluster_config_path, estimate_params
+    from training.run.cost import cluster_config_path, estimate_params
 
     monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
     path = cluster_config_path(None)
@@ -126,7 +126,7 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
 
 def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypatch):
     from conftest import REPO
-    from training.capacity import maximum_resources, use_gpus
+    from training.run.capacity import maximum_resources, use_gpus
 
     assert maximum_resources() is None  # not on a launched head
     # cluster.yaml: a head of 4 CPUs, then spot (priority 10, up to 8 x {4 CPU, 1 GPU}) before
@@ -149,7 +149,7 @@ def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypa
 
 def test_early_stopping_counts_evaluations_without_improvement():
     from training.config import JobConfig
-    from training.loop import _update_early_stopping
+    from training.worker.loop import _update_early_stopping
 
     job = JobConfig.model_validate({"train": {"max_steps": 10, "early_stopping": {
         "metric": "val_accuracy", "mode": "max", "patience_evals": 2, "min_delta": 0.01}}})
@@ -167,7 +167,7 @@ def test_logging_a_model_leaves_no_tracking_uri_behind(tmp_path, monkeypatch):
     for the next run in the process or the processes it starts."""
     import os
 
-    from training.tracking import fluent_mlflow
+    from training.tracking.tracker import fluent_mlflow
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with fluent_mlflow(f"sqlite:///{tmp_path}/a.db") as mlflow:

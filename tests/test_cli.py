@@ -9,7 +9,7 @@ from conftest import REPO
 
 PROBE = """
 import sys
-from training.cli import main
+from training.run.cli import main
 code = main(sys.argv[1:])
 assert "ray" not in sys.modules, "Ray was imported on a bad-input path"
 sys.exit(code)

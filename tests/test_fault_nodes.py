@@ -9,9 +9,9 @@ import time
 import pytest
 
 from conftest import CONFIGS, private_cluster, wait_for
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import config as config_lib
-from training.run import run_training
+from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 

@@ -9,12 +9,12 @@ import torch
 import torch.utils.checkpoint
 
 from conftest import CONFIGS
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training import storage
 from training.errors import ConfigError
 from training.models.gpt import GPT, PRESETS, GPTOptions, gpt_num_params
-from training.parallel import peak_flops_of, peak_flops_per_s
+from training.worker.parallel import peak_flops_of, peak_flops_per_s
 
 TINY = ["data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}"]
 
@@ -36,7 +36,7 @@ def test_parallel_section_is_typed_and_strict():
 
 
 def test_bad_parallel_config_exits_2_naming_the_field(capsys):
-    from training.cli import main
+    from training.run.cli import main
 
     assert main([str(CONFIGS / "tinylm.yaml"), "--set", "parallel.strategy=zero3"]) == 2
     assert "parallel.strategy" in capsys.readouterr().err
@@ -154,7 +154,7 @@ def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options
     from torch.distributed.tensor import DTensor
 
     from training.config import ParallelConfig
-    from training.parallel import wrap
+    from training.worker.parallel import wrap
 
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
@@ -183,7 +183,7 @@ def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options
 # --- ONNX -----------------------------------------------------------------------------------------
 
 def test_onnx_export_round_trips(tmp_path):
-    from training.export import export_onnx
+    from training.run.export import export_onnx
     from training.models import build_model
 
     gpt = build_model("gpt", {"n_layer": 1, "n_head": 2, "d_model": 32}, {"task": "language_model", "vocab_size": 256, "seq_len": 32})
@@ -239,7 +239,7 @@ def _full_state_at(checkpoint_dir, workers: int, out) -> None:
 
         from training.config import ParallelConfig
         from training.models.gpt import GPT, GPTOptions
-        from training.parallel import wrap
+        from training.worker.parallel import wrap
 
         torch.manual_seed(123)  # weights unlike the checkpoint's: loading must replace every one
         model = GPT(256, 32, GPTOptions(n_layer=1, n_head=2, d_model=32))
@@ -259,7 +259,7 @@ def _full_state_at(checkpoint_dir, workers: int, out) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_fsdp_matches_ddp_and_its_sharded_checkpoints_resume_at_another_world_size(ray_cluster, workdir):
-    from training.run import run_training
+    from training.run.driver import run_training
 
     ddp = run_training(config_lib.load(CONFIGS / "tinylm.yaml", RUN, name="ddp"), log=print)
     fsdp = run_training(config_lib.load(CONFIGS / "tinylm.yaml", RUN + ["parallel.strategy=fsdp", "checkpoint.upload=async"],

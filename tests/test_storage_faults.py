@@ -14,9 +14,9 @@ import pytest
 
 from aws import free_port, moto_server, s3_env
 from conftest import CONFIGS
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import config as config_lib
-from training.upload import RetryPolicy, upload, with_retries
+from training.checkpoint.upload import RetryPolicy, upload, with_retries
 
 
 def create_bucket(endpoint, name):
@@ -48,7 +48,7 @@ def test_an_upload_retries_through_a_storage_outage(tmp_path, monkeypatch, caplo
         except Exception as exc:
             outcome["error"] = exc
 
-    caplog.set_level(logging.WARNING, logger="training.upload")
+    caplog.set_level(logging.WARNING, logger="training.checkpoint.upload")
     uploader = threading.Thread(target=target)
     uploader.start()  # nothing listens on the endpoint yet
     time.sleep(14)  # longer than pyarrow's own retries (about 6 s per request)
@@ -111,7 +111,7 @@ def test_unreachable_storage_fails_fast_with_exit_2_and_nothing_started(tmp_path
 def test_training_checkpoints_to_s3_and_resumes_from_them(tmp_path, monkeypatch):
     import ray
 
-    from training.run import run_training
+    from training.run.driver import run_training
 
     monkeypatch.setenv("TRAINING_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

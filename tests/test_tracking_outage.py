@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import CONFIGS, REPO, wait_for
 from training import config as config_lib
-from training.tracking import BACKLOG_FILE, MlflowTracker, SendPolicy, read_backlog, replay_backlogs
+from training.tracking.tracker import BACKLOG_FILE, MlflowTracker, SendPolicy, read_backlog, replay_backlogs
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 # Short attempts and backoff so that the tests run in seconds; the defaults are in SendPolicy.
@@ -145,7 +145,7 @@ def test_metrics_logged_through_an_outage_arrive_exactly_once(server, tmp_path, 
 
 CRASHING_DRIVER = """
 import sys, time
-from training.tracking import MlflowTracker, SendPolicy
+from training.tracking.tracker import MlflowTracker, SendPolicy
 uri, run_id, run_dir = sys.argv[1:4]
 tracker = MlflowTracker(uri, run_id, run_dir, SendPolicy(attempt_timeout_s=1, first_backoff_s=0.2, max_backoff_s=0.5,
                                                           persist_every_s=60))
@@ -159,7 +159,7 @@ time.sleep(600)
 
 @pytest.mark.chaos
 def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(server, workdir, caplog, capsys):
-    from training.run import _start_tracking, resolve_paths
+    from training.run.driver import _start_tracking, resolve_paths
 
     caplog.set_level("WARNING", logger="training.tracking")
     server.kill()
@@ -184,7 +184,7 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
     tracker = MlflowTracker(server.uri, finished_id, str(runs / "finished"), FAST)
     for step in range(1, 21):
         tracker.log_metrics({"loss": 1.0 / step, "acc": step / 100}, step)
-    from training.finalize import finalize
+    from training.run.finalize import finalize
 
     lines = []
     started = time.monotonic()
@@ -234,10 +234,10 @@ def finished_run(tmp_path, run_dir: Path, run_id: str, tracking_uri: str):
     import torch
     import ray.train
 
-    from training import checkpoint as ckpt
+    from training.checkpoint import format as ckpt
     from training.data.prepare import prepare
     from training.models import build_model
-    from training.run import RunSummary
+    from training.run.driver import RunSummary
 
     job = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={tracking_uri}"], name=run_dir.name)
     manifest = prepare(job.data, str(tmp_path / "datasets"), log=lambda line: None)
@@ -275,7 +275,7 @@ def test_the_controller_gets_one_tracker_for_both_callbacks():
     at the end must close the tracker the reports were queued on."""
     import ray.cloudpickle
 
-    from training.callback import run_callbacks
+    from training.tracking.callback import run_callbacks
 
     report, shutdown = ray.cloudpickle.loads(ray.cloudpickle.dumps(
         run_callbacks(MlflowTracker("http://127.0.0.1:1", "run", "/tmp/runs/r", FAST))))
@@ -285,7 +285,7 @@ def test_the_controller_gets_one_tracker_for_both_callbacks():
 
 def test_unreachable_mlflow_at_start_is_a_user_error_and_starts_nothing(workdir):
     from training.errors import UserError
-    from training.run import run_training
+    from training.run.driver import run_training
 
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     job = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={uri}"], name="no-mlflow")
@@ -300,7 +300,7 @@ def test_unreachable_mlflow_at_start_is_a_user_error_and_starts_nothing(workdir)
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_a_training_run_survives_mlflow_killed_and_restarted(server, ray_cluster, workdir, capfd):
-    from training.run import run_training
+    from training.run.driver import run_training
 
     if not server.up:
         server.start()

@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import CONFIGS, REPO
 from training import config as config_lib
-from training.run import run_training
+from training.run.driver import run_training
 
 pytestmark = pytest.mark.ray
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training.config import OptimConfig
 from tuning import config as sweep_config
 from tuning import exploit

@@ -6,27 +6,25 @@ naming the dotted path of the field and what is allowed, before anything starts.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from training.errors import ConfigError
+from training.schema import Section, format_validation_error, set_path
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     # A built-in model (see training/models) or a plug-in "package.module:function".
     name: str = "digits_mlp"
     # Keyword arguments for the model builder; built-ins validate theirs.
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     # A built-in source (digits, tinylm) or a plug-in "package.module:function".
     source: str = "digits"
     options: dict[str, Any] = Field(default_factory=dict)
@@ -35,7 +33,7 @@ class DataConfig(_Section):
     num_shards: int = Field(4, ge=1, le=4096)
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -48,7 +46,7 @@ class OptimConfig(_Section):
     grad_clip_norm: Optional[float] = Field(1.0, gt=0)
 
 
-class EarlyStoppingConfig(_Section):
+class EarlyStoppingConfig(Section):
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
     # Stop after this many evaluations without an improvement larger than min_delta.
@@ -56,7 +54,7 @@ class EarlyStoppingConfig(_Section):
     min_delta: float = Field(0.0, ge=0)
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     # Length of the run: exactly one of max_steps and epochs.
     max_steps: Optional[int] = Field(None, ge=1)
     epochs: Optional[float] = Field(None, gt=0)
@@ -84,7 +82,7 @@ class TrainConfig(_Section):
         return self
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     # A fixed number of workers, or [min, max] for elastic training.
     num_workers: Union[int, tuple[int, int]] = 2
     # auto: GPUs when the cluster has any, or can grow to have some ($TRAINING_CLUSTER_CONFIG, the
@@ -113,7 +111,7 @@ class ScalingConfig(_Section):
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     # ddp: a full replica per worker, gradients all-reduced. fsdp: FSDP2 (fully_shard per
     # transformer block, then the root): parameters, gradients and optimizer state sharded across
     # workers, checkpoints written as one shard per worker (torch.distributed.checkpoint).
@@ -133,14 +131,14 @@ class ParallelConfig(_Section):
         return self
 
 
-class FailureConfig(_Section):
+class FailureConfig(Section):
     # Worker or node failures the run survives (restarting from the latest checkpoint).
     max_failures: int = Field(3, ge=-1)
     # Spot preemptions have their own budget; -1 is unlimited.
     max_preemption_failures: int = Field(-1, ge=-1)
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     # Local path or s3://bucket/prefix. Runs live in <storage_path>/<run name>.
     storage_path: str = "runs"
     every_n_steps: int = Field(100, ge=1)
@@ -153,7 +151,7 @@ class CheckpointConfig(_Section):
     upload: Literal["sync", "async"] = "sync"
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     enabled: bool = True
     # Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the base directory.
     tracking_uri: Optional[str] = None
@@ -168,7 +166,7 @@ class TrackingConfig(_Section):
     export_onnx: Optional[bool] = None
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     # Run name: a run whose name exists in storage is resumed. Default: <config>-<timestamp>.
     name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
     seed: int = 0
@@ -201,41 +199,6 @@ class JobConfig(_Section):
 IDENTITY_FIELDS = ("seed", "model", "data.source", "data.options", "optim", "train.global_batch_size")
 
 
-def format_validation_error(error: ValidationError, prefix: str = "", root: type[BaseModel] | None = None) -> str:
-    lines = []
-    for item in error.errors():
-        loc = [str(part) for part in item["loc"] if not str(part).startswith("function-after")]
-        path = ".".join(filter(None, [prefix, *loc])) or "(top level)"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-            allowed = _allowed_keys(loc, root or JobConfig)
-            if allowed:
-                message += f"; allowed: {', '.join(allowed)}"
-        elif item["type"] == "value_error":
-            message = message.removeprefix("Value error, ")
-        elif item["type"] == "literal_error":
-            message = message.replace("Input should be", "must be")
-        lines.append(f"  {path}: {message}")
-    return "\n".join(lines)
-
-
-def _allowed_keys(loc: list[str], root: type[BaseModel]) -> list[str]:
-    model: Any = root
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        for candidate in getattr(annotation, "__args__", (annotation,)):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                model = candidate
-                break
-        else:
-            return []
-    return sorted(getattr(model, "model_fields", {}))
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
@@ -249,28 +212,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply `a.b=value` overrides to a raw config mapping (values parsed as YAML)."""
-    result = _deep_copy(raw)
+    result = copy.deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
-        node = result
-        for depth, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                dotted = ".".join(path[: depth + 1])
-                raise ConfigError(f"--set {text!r}: {dotted} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        try:
+            result = set_path(result, ".".join(path), value)
+        except ValueError as exc:
+            raise ConfigError(f"--set {text!r}: {exc}") from None
     return result
-
-
-def _deep_copy(value):
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
 
 
 def validate(raw: Any, source: str = "config") -> JobConfig:
@@ -281,7 +230,7 @@ def validate(raw: Any, source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc)}") from None
+        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, root=JobConfig)}") from None
     except ConfigError as exc:
         raise ConfigError(f"{source} is invalid:\n  {exc}") from None
 

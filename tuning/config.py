@@ -12,29 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from training import config as config_lib
 from training.config import JobConfig, ScalingConfig
 from training.errors import ConfigError
-from tuning.space import FIXED_PREFIXES, PBT_FIXED_PREFIXES, Dimension, flatten_space, set_path
+from training.schema import Section, format_validation_error, set_path
+from tuning.space import FIXED_PREFIXES, PBT_FIXED_PREFIXES, Dimension, flatten_space
 
 # Every validation metric a training run reports (the data's task decides which it has).
 METRICS = ("val_loss", "val_accuracy", "val_perplexity", "val_token_accuracy")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SearchConfig(_Section):
+class SearchConfig(Section):
     # random: independent draws; grid: every combination of choice/grid values; optuna: TPE.
     algorithm: Literal["random", "grid", "optuna"] = "random"
     seed: Optional[int] = 0
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     # fifo: every trial runs to the end; asha: stops poor trials at rungs; pbt: population-based training.
     name: Literal["fifo", "asha", "pbt"] = "fifo"
     # ASHA: trials are first compared at this step; rungs at grace * reduction_factor^k steps.
@@ -47,7 +44,7 @@ class SchedulerConfig(_Section):
     resample_probability: float = Field(0.25, ge=0, le=1)
 
 
-class TrialConfig(_Section):
+class TrialConfig(Section):
     # CPUs held by each trial's driver (the training run's driver: tracking, checks, final model).
     driver_cpus: float = Field(0.25, ge=0)
     # The training workers of every trial; replaces the base job's scaling section.
@@ -57,7 +54,7 @@ class TrialConfig(_Section):
     max_failures: int = Field(0, ge=0)
 
 
-class SweepConfig(_Section):
+class SweepConfig(Section):
     # The sweep's name; default: the sweep file's name. An existing sweep of that name is resumed.
     name: Optional[str] = Field(None, pattern=NAME_PATTERN)
     # The job config every trial starts from: a path (relative to the working directory) or inline.
@@ -107,7 +104,7 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     try:
         sweep = SweepConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path} is invalid:\n{config_lib.format_validation_error(exc, root=SweepConfig)}") from None
+        raise ConfigError(f"{path} is invalid:\n{format_validation_error(exc, root=SweepConfig)}") from None
     final_name = name or sweep.name or path.stem
     if not re.fullmatch(NAME_PATTERN, final_name):
         raise ConfigError(f"name: {final_name!r} must start with a letter or digit and hold only letters, digits, "
@@ -143,7 +140,7 @@ def _check_space(sweep: SweepConfig, base_raw: dict) -> dict[str, Dimension]:
         try:
             dim = Dimension.model_validate(value)
         except ValidationError as exc:
-            raise ConfigError("sweep file is invalid:\n" + config_lib.format_validation_error(
+            raise ConfigError("sweep file is invalid:\n" + format_validation_error(
                 exc, prefix=where, root=Dimension)) from None
         fixed = next((p for p in FIXED_PREFIXES if path == p or path.startswith(p + ".")), None)
         if fixed:

@@ -19,7 +19,7 @@ import yaml
 
 from training import config as config_lib
 from training import storage
-from training.tracking import NullTracker, fluent_mlflow
+from training.tracking.tracker import NullTracker, fluent_mlflow
 from tuning.config import Sweep
 from tuning.trial import SWEEP_TAG, TRIAL_TAG
 
@@ -40,8 +40,8 @@ class TrialRow:
 
 
 def start_parent(sweep: Sweep, paths, state: Optional[dict]):
-    from training.run import _artifact_location
-    from training.tracking import MlflowTracker
+    from training.run.driver import _artifact_location
+    from training.tracking.tracker import MlflowTracker
 
     if paths.tracking_uri is None:
         return NullTracker()
@@ -161,8 +161,8 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
     its last checkpoint first."""
     import mlflow
 
-    from training.finalize import load_final_model, log_model, registered_model_name
-    from training.tracking import MlflowTracker
+    from training.run.finalize import load_final_model, log_model, registered_model_name
+    from training.tracking.tracker import MlflowTracker
 
     client = parent.client
     name = registered_model_name(sweep.base)

@@ -23,7 +23,6 @@ from training.config import JobConfig
 
 log = logging.getLogger(__name__)
 
-NIL_ACTOR = "f" * 32
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,14 @@ def describe(resources: dict) -> str:
 def orphaned_groups(job_id: str) -> list[str]:
     """Placement groups of this job whose creating actor is dead and which Ray has not removed.
     Groups made by the driver itself (Tune's trial groups: no creating actor) are never included."""
-    from ray._private.state import state  # private: the only view of a group's creator; kept here
-    from ray.core.generated import gcs_pb2
+    from training.adaptors.ray_private import NIL_ACTOR, placement_group_removed_state, placement_groups
 
-    table = gcs_pb2.PlacementGroupTableData
+    removed = placement_group_removed_state()
     found = []
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        group = table.FromString(raw)
+    for group in placement_groups():
         creator = group.creator_actor_id.hex()
         if (group.creator_job_id.hex() == job_id and creator and creator != NIL_ACTOR and group.creator_actor_dead
-                and not group.is_detached and group.state != table.REMOVED):
+                and not group.is_detached and group.state != removed):
             found.append(group.placement_group_id.hex())
     return found
 

@@ -7,7 +7,8 @@ import math
 
 from training import storage
 from tuning.config import Sweep
-from tuning.space import pbt_mutations, set_path, tune_param_space
+from training.schema import set_path
+from tuning.space import pbt_mutations, tune_param_space
 
 # Trials report the training step with every result; schedulers count in steps.
 TIME_ATTR = "step"

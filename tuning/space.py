@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
+
+from training.schema import Section
 
 KINDS = ("uniform", "loguniform", "randint", "choice", "grid")
 # Fields a sweep cannot vary: a trial's name is its trial's; all trials write to one tracking store
@@ -24,8 +26,7 @@ FIXED_PREFIXES = ("name", "tracking", "checkpoint.storage_path", "data.cache_dir
 PBT_FIXED_PREFIXES = ("model", "data")
 
 
-class Dimension(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Dimension(Section):
 
     # A float drawn uniformly from [low, high].
     uniform: Optional[tuple[float, float]] = None
@@ -87,24 +88,6 @@ def flatten_space(raw: dict, prefix: str = "") -> dict[str, Any]:
         else:
             flat[path] = value
     return flat
-
-
-def set_path(raw: dict, dotted: str, value: Any) -> dict:
-    """A copy of a raw job-config mapping with one dotted field set."""
-    import copy
-
-    result = copy.deepcopy(raw)
-    node = result
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ValueError(f"{part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-    return result
 
 
 def plain(value: Any) -> Any:

@@ -36,7 +36,7 @@ class SweepSummary:
 
 
 def sweep_dir(sweep: Sweep) -> str:
-    from training.run import resolve_paths
+    from training.run.driver import resolve_paths
 
     return storage.join(resolve_paths(sweep.base, sweep.name).storage_path, "sweeps", sweep.name)
 
@@ -57,7 +57,7 @@ def check_resumable(sweep: Sweep, state: dict) -> None:
 def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
     from training.data.prepare import prepare
-    from training.run import VALIDATION_METRICS, check_storage, resolve_paths
+    from training.run.driver import VALIDATION_METRICS, check_storage, resolve_paths
 
     started = time.monotonic()
     state = read_state(sweep)
@@ -105,9 +105,9 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     import ray
     from ray import tune
 
-    from training.capacity import maximum_resources, use_gpus
+    from training.run.capacity import maximum_resources, use_gpus
     from training.plugins import plugin_module_paths
-    from training.run import in_submitted_job, live_local_cluster
+    from training.run.driver import in_submitted_job, live_local_cluster
     from tuning import resources, schedule
     from tuning.trial import TrialSetup, train_trial
 

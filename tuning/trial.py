@@ -21,7 +21,8 @@ import ray.train
 from training import config as config_lib
 from training.config import JobConfig
 from tuning import exploit
-from tuning.space import plain, set_path
+from training.schema import set_path
+from tuning.space import plain
 
 TRIAL_TAG, SWEEP_TAG = "tune.trial_id", "tune.sweep"
 
@@ -83,7 +84,7 @@ def train_trial(params: dict, setup: TrialSetup) -> None:
     from ray import tune
     from ray.util.queue import Empty, Queue
 
-    from training.run import run_training
+    from training.run.driver import run_training
 
     os.environ["TRAINING_BASE_DIR"] = setup.base_dir  # Tune moved the working directory into the trial's
     trial_id = tune.get_context().get_trial_id()
@@ -150,7 +151,7 @@ def _seed_checkpoint(job: JobConfig, tune_checkpoint) -> str:
     """The donor's checkpoint rebased onto this trial's hyperparameters, where this trial's workers
     can read it (next to the run's own checkpoints)."""
     from training import storage
-    from training.run import resolve_paths
+    from training.run.driver import resolve_paths
 
     run_dir = resolve_paths(job, job.name).run_dir
     seed_uri = storage.join(run_dir, "seed")

@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from training.errors import ConfigError, UserError
 from training.plugins import is_import_string, load_callable
+from training.schema import Section, format_validation_error
 
 Task = Literal["classification", "language_model"]
 SPLITS = ("train", "validation")
@@ -40,16 +41,12 @@ class SourceData:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DigitsOptions(_Options):
+class DigitsOptions(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1)
     split_seed: int = 0
 
 
-class TinyLMOptions(_Options):
+class TinyLMOptions(Section):
     # Tokens per training sequence (bytes: the tokenizer is byte-level, vocabulary 256).
     seq_len: int = Field(128, ge=8, le=8192)
     # How much of the standard library's source to use, in bytes.
@@ -129,7 +126,6 @@ def validate_builtin_source_options(source: str, options: dict) -> None:
     try:
         options_type.model_validate(options)
     except ValidationError as exc:
-        from training.config import format_validation_error
 
         raise ConfigError(format_validation_error(exc, "data.options", options_type).strip()) from None
 

@@ -16,6 +16,7 @@ from training.errors import ConfigError, UserError
 from training.models.digits import CNNOptions, MLPOptions, build_cnn, build_mlp
 from training.models.gpt import GPTOptions, build_gpt
 from training.plugins import is_import_string, load_callable
+from training.schema import format_validation_error
 
 # name -> (options type, builder, task it serves)
 BUILTIN_MODELS = {
@@ -34,7 +35,6 @@ def validate_builtin_model_options(name: str, options: dict) -> None:
     try:
         BUILTIN_MODELS[name][0].model_validate(options)
     except ValidationError as exc:
-        from training.config import format_validation_error
 
         raise ConfigError(format_validation_error(exc, "model.options", BUILTIN_MODELS[name][0]).strip()) from None
 

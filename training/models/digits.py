@@ -5,18 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
+from training.schema import Section
 
-class MLPOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class MLPOptions(Section):
     hidden: list[int] = Field(default_factory=lambda: [128, 64], min_length=1)
     dropout: float = Field(0.1, ge=0, lt=1)
 
 
-class CNNOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CNNOptions(Section):
     channels: list[int] = Field(default_factory=lambda: [16, 32], min_length=1, max_length=3)
     dropout: float = Field(0.1, ge=0, lt=1)
 

@@ -7,8 +7,10 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import nn
+
+from training.schema import Section
 
 # Sizes by name; options given next to a preset override its values.
 PRESETS: dict[str, dict[str, int]] = {
@@ -18,8 +20,7 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-class GPTOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class GPTOptions(Section):
     preset: Optional[Literal["tiny", "small", "base"]] = None
     n_layer: int = Field(2, ge=1)
     n_head: int = Field(4, ge=1)

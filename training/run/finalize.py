@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import storage
 from training.config import JobConfig
 from training.data.loader import SplitReader
-from training.export import export_onnx
+from training.run.export import export_onnx
 from training.models import build_model
 from training.plugins import is_import_string
 from training.tasks import model_input
-from training.tracking import fluent_mlflow
+from training.tracking.tracker import fluent_mlflow
 
 CURVES = ("train_loss", "val_loss", "val_accuracy", "val_perplexity")
 
@@ -54,7 +54,7 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
     with fluent_mlflow(tracker.tracking_uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pytorch.log_model(
             model, name="model", signature=signature, serialization_format="pickle",
-            code_paths=[str(Path(__file__).resolve().parent)], registered_model_name=name,
+            code_paths=[str(Path(__file__).resolve().parents[1])], registered_model_name=name,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
     return {"model_uri": info.model_uri, "registered_model": name,
             "registered_version": getattr(info, "registered_model_version", None)}
@@ -90,7 +90,7 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
     checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
     model in its last checkpoint and the summary in its storage, and a warning says so."""
-    from training.cost import cluster_config_path, estimate_params
+    from training.run.cost import cluster_config_path, estimate_params
 
     cluster_config = cluster_config_path(job.tracking.cluster_config)
     if cluster_config:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from training import storage
+from training.adaptors import mlflow_private
 
 log = logging.getLogger(__name__)
 
@@ -359,39 +360,25 @@ class MlflowTracker:
 
     def _host_creds(self):
         """The REST store's credentials, or None for a local store (sqlite), which cannot hang."""
-        store = getattr(getattr(self.client, "_tracking_client", None), "store", None)
-        get = getattr(store, "get_host_creds", None)
-        return get() if get is not None else None
+        return mlflow_private.host_creds(self.client)
 
     def _rest(self, method: str, endpoint: str, message=None, params=None):
         """One request without MLflow's retry-with-backoff (that can block for minutes)."""
-        from mlflow.utils.proto_json_utils import message_to_json
-        from mlflow.utils.rest_utils import http_request, verify_rest_response
-
-        kwargs = {"json": json.loads(message_to_json(message))} if message is not None else {"params": params}
-        response = http_request(self._host_creds(), endpoint, method, max_retries=0, backoff_factor=0,
-                                timeout=self.policy.attempt_timeout_s, **kwargs)
-        return verify_rest_response(response, endpoint)
+        return mlflow_private.rest_once(self._host_creds(), method, endpoint, self.policy.attempt_timeout_s,
+                                        message=message, params=params)
 
     def _send_metrics(self, batch: list) -> None:
         if self._host_creds() is None:
             self.client.log_batch(self.run_id, metrics=batch)
             return
-        from mlflow.protos.service_pb2 import LogBatch
-
-        self._rest("POST", "/api/2.0/mlflow/runs/log-batch",
-                   LogBatch(run_id=self.run_id, metrics=[m.to_proto() for m in batch]))
+        self._rest("POST", "/api/2.0/mlflow/runs/log-batch", mlflow_private.log_batch_message(self.run_id, batch))
 
     def _send_status(self, status: str, end_time_ms: int) -> None:
         if self._host_creds() is None:
             self.client.set_terminated(self.run_id, status=status, end_time=end_time_ms)
             return
-        from mlflow.entities import RunStatus
-        from mlflow.protos.service_pb2 import UpdateRun
-
         self._rest("POST", "/api/2.0/mlflow/runs/update",
-                   UpdateRun(run_id=self.run_id, run_uuid=self.run_id, status=RunStatus.from_string(status),
-                             end_time=end_time_ms))
+                   mlflow_private.update_run_message(self.run_id, status, end_time_ms))
 
     # --- the backlog file -------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
 
 EPILOG = """\
 examples:
@@ -51,7 +51,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("resolved config:\n" + "\n".join("  " + line for line in config_lib.to_yaml(job).splitlines()), flush=True)
     if args.print_config:
         return 0
-    from training.run import run_training
+    from training.run.driver import run_training
 
     return exit_code(lambda: run_training(job, config_path=config_path),
                      interrupted="run the same command with the same --name to resume")

@@ -163,7 +163,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
                         f"{str(exc).splitlines()[0][:300]}") from None
     if record is not None:
         check_resumable(job, record, name)
-    from training.capacity import maximum_resources
+    from training.run.capacity import maximum_resources
 
     largest = maximum_resources()  # None: no launcher config on this machine
 
@@ -200,7 +200,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     except BaseException:
         tracker.finish("FAILED")
         raise
-    from training.finalize import finalize
+    from training.run.finalize import finalize
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
     metrics = dict(result.metrics or {}) or _checkpoint_metrics(result.checkpoint)
@@ -218,7 +218,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
 
 def _checkpoint_metrics(checkpoint) -> dict:
     """The step and metrics a checkpoint recorded (meta.json), or {} without one."""
-    from training.checkpoint import read_meta
+    from training.checkpoint.format import read_meta
 
     meta = read_meta(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
     return {**meta.get("metrics", {}), "step": meta["step"]} if meta else {}
@@ -226,7 +226,7 @@ def _checkpoint_metrics(checkpoint) -> dict:
 
 def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
                     run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
-    from training.tracking import MlflowTracker, NullTracker, replay_backlogs
+    from training.tracking.tracker import MlflowTracker, NullTracker, replay_backlogs
 
     if not job.tracking.enabled:
         return NullTracker()
@@ -266,8 +266,8 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from training.callback import run_callbacks
-    from training.loop import train_loop_per_worker
+    from training.tracking.callback import run_callbacks
+    from training.worker.loop import train_loop_per_worker
     from training.plugins import plugin_module_paths
 
     # The Train controller takes at most one report per worker per poll; poll more often than
@@ -290,7 +290,7 @@ def _fit(job: JobConfig, paths: RunPaths, manifest, tracker, name: str, timings:
     try:
         use_gpu = job.scaling.use_gpu
         if use_gpu == "auto":  # an autoscaling cluster may have no GPU node yet
-            from training.capacity import use_gpus
+            from training.run.capacity import use_gpus
 
             use_gpu = use_gpus(ray.cluster_resources(), largest)
         scaling = ray.train.ScalingConfig(
@@ -326,11 +326,10 @@ def live_local_cluster() -> Optional[str]:
     cluster's address (left in /tmp/ray/ray_current_cluster when its head was killed) is forgotten,
     as `ray stop` would: `ray.init()` would wait on it, and so would the state API in every process
     of the next cluster (40 s per call: Ray Train's placement-group cleaner stalls each run's end)."""
-    try:
-        from ray._common.utils import reset_ray_address
-        from ray._private.services import get_ray_address_from_environment
+    from training.adaptors.ray_private import forget_recorded_address, recorded_local_address
 
-        address = get_ray_address_from_environment(None, None)
+    try:
+        address = recorded_local_address()
     except Exception:  # none recorded (or Ray's private helpers moved): start a local cluster
         return None
     if address is None:
@@ -339,7 +338,7 @@ def live_local_cluster() -> Optional[str]:
     try:
         socket.create_connection((host, int(port)), timeout=2).close()
     except (OSError, ValueError):
-        reset_ray_address()
+        forget_recorded_address()
         return None
     return address
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
-from training import checkpoint as ckpt
+from training.checkpoint import format as ckpt
 from training import storage
 
 log = logging.getLogger(__name__)

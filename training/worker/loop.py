@@ -7,7 +7,6 @@ Resume is the normal path: a fresh run is a resume from step 0.
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import tempfile
@@ -20,18 +19,19 @@ import ray.train
 import ray.train.collective
 import ray.train.torch
 from ray.train import CheckpointUploadMode
-from ray.train.v2._internal.constants import DEFAULT_PREEMPTION_DEADLINE_S
 import torch
 import torch.distributed as dist
 
-from training import checkpoint as ckpt
-from training import parallel, storage
+from training.checkpoint import format as ckpt
+from training import storage
+from training.worker import parallel
 from training.config import JobConfig, OptimConfig
 from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
 from training.data.prepare import Manifest
 from training.models import build_model
 from training.tasks import forward_loss, units_per_sample, validation_metrics
-from training.upload import upload_fn
+from training.adaptors.ray_private import default_preemption_deadline_s, quiet_report_logs
+from training.checkpoint.upload import upload_fn
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -112,7 +112,7 @@ def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, d
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    _quiet_report_logs()
+    quiet_report_logs()
     worker_start = time.time()
     job = JobConfig.model_validate(loop_config["job"])
     manifest = Manifest.load(loop_config["manifest_root"])
@@ -297,7 +297,7 @@ class Preemption:
     @classmethod
     def of(cls, notice) -> "Preemption":
         # Without a deadline Ray Train waits its default before restarting.
-        deadline_s = notice.deadline_ms / 1000 if notice.deadline_ms else time.time() + DEFAULT_PREEMPTION_DEADLINE_S
+        deadline_s = notice.deadline_ms / 1000 if notice.deadline_ms else time.time() + default_preemption_deadline_s()
         return cls(cls.key_of(notice), deadline_s)
 
     def plan_final_save(self, save_s: float) -> None:
@@ -336,16 +336,6 @@ def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
         fs, path = storage.filesystem(uri)
         return ray.train.Checkpoint(path, filesystem=fs)
     return None
-
-
-def _quiet_report_logs() -> None:
-    """Ray Train logs every report at INFO from a logger named after its file; keep those lines out
-    of the driver's output (the controller prints one progress line per report instead)."""
-    try:
-        from ray.train.v2._internal.execution import context as train_context
-    except ImportError:
-        return
-    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
 
 
 def _update_early_stopping(job: JobConfig, loop: ckpt.LoopState, val_metrics: dict) -> None:

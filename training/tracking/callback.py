@@ -13,9 +13,8 @@ import datetime
 import time
 
 import ray.train
-from ray.train.v2._internal.execution.callback import ControllerCallback  # DeveloperAPI
-
-from training.tracking import NullTracker
+from training.adaptors.ray_private import controller_callback_base
+from training.tracking.tracker import NullTracker
 
 _SKIP = {"step", "total_steps"}
 
@@ -67,7 +66,7 @@ class RunCallback(ray.train.UserCallback):
         self._last = None
 
 
-class TrackingShutdown(ControllerCallback):
+class TrackingShutdown(controller_callback_base()):
     """When the run ends (finished, failed or aborted), before the controller exits: deliver the
     metrics still queued, waiting a little for MLflow; what it does not take goes to the run's
     backlog file, which the driver's tracker picks up."""

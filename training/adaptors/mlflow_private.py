@@ -1,0 +1,41 @@
+"""Every private MLflow API this project uses, in one place (driver and Train controller).
+
+MLflow's client retries a failed request with backoff for minutes; a tracking outage must never
+stall training, so the tracker sends each request once, with a short timeout, through MLflow's own
+REST helpers. `tests/test_adaptors.py` checks each name here, so an MLflow upgrade that moves one
+fails there, by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def host_creds(client):
+    """The REST store's credentials of an `MlflowClient`, or None for a local store (sqlite)."""
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    get = getattr(store, "get_host_creds", None)
+    return get() if get is not None else None
+
+
+def rest_once(creds, method: str, endpoint: str, timeout_s: float, message=None, params=None):
+    """One REST request, no retries; raises MlflowException (with an HTTP status) on an error answer."""
+    from mlflow.utils.proto_json_utils import message_to_json
+    from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+    kwargs = {"json": json.loads(message_to_json(message))} if message is not None else {"params": params}
+    response = http_request(creds, endpoint, method, max_retries=0, backoff_factor=0, timeout=timeout_s, **kwargs)
+    return verify_rest_response(response, endpoint)
+
+
+def log_batch_message(run_id: str, metrics: list):
+    from mlflow.protos.service_pb2 import LogBatch
+
+    return LogBatch(run_id=run_id, metrics=[m.to_proto() for m in metrics])
+
+
+def update_run_message(run_id: str, status: str, end_time_ms: int):
+    from mlflow.entities import RunStatus
+    from mlflow.protos.service_pb2 import UpdateRun
+
+    return UpdateRun(run_id=run_id, run_uuid=run_id, status=RunStatus.from_string(status), end_time=end_time_ms)
