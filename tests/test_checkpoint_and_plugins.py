@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from training.checkpoint import format as ckpt
+from training.worker.seeding import step_seed
 from training.config import OptimConfig
 from training.errors import UserError
 from training.worker.loop import build_optimizer, lr_factor
@@ -72,8 +73,8 @@ def test_the_newest_complete_checkpoint_is_found_and_cut_short_ones_never(tmp_pa
 
 
 def test_step_seed_depends_on_seed_step_and_rank():
-    seeds = {ckpt.step_seed(s, t, r) for s in (0, 1) for t in (0, 1, 2) for r in (0, 1)}
-    assert len(seeds) == 12 and ckpt.step_seed(0, 5, 1) == ckpt.step_seed(0, 5, 1)
+    seeds = {step_seed(s, t, r) for s in (0, 1) for t in (0, 1, 2) for r in (0, 1)}
+    assert len(seeds) == 12 and step_seed(0, 5, 1) == step_seed(0, 5, 1)
 
 
 def test_warmup_then_cosine():

@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from training.metrics import VALIDATION_METRICS
+
 
 def units_per_sample(task: str, spec: dict) -> int:
     return spec["seq_len"] if task == "language_model" else 1
@@ -34,7 +36,7 @@ def forward_loss(task: str, model, batch: dict[str, torch.Tensor],
 
 
 def validation_metrics(task: str, loss_sum: float, units: float, correct: float) -> dict[str, float]:
-    loss = loss_sum / max(units, 1)
-    if task == "classification":
-        return {"val_loss": loss, "val_accuracy": correct / max(units, 1)}
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_token_accuracy": correct / max(units, 1)}
+    loss, accuracy = loss_sum / max(units, 1), correct / max(units, 1)
+    values = {"val_loss": loss, "val_accuracy": accuracy, "val_perplexity": math.exp(min(loss, 50.0)),
+              "val_token_accuracy": accuracy}
+    return {name: values[name] for name in VALIDATION_METRICS[task]}

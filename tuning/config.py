@@ -18,10 +18,9 @@ from training import config as config_lib
 from training.config import JobConfig, ScalingConfig
 from training.errors import ConfigError
 from training.schema import Section, format_validation_error, set_path
+from training.metrics import ALL_VALIDATION_METRICS
 from tuning.space import FIXED_PREFIXES, PBT_FIXED_PREFIXES, Dimension, flatten_space
 
-# Every validation metric a training run reports (the data's task decides which it has).
-METRICS = ("val_loss", "val_accuracy", "val_perplexity", "val_token_accuracy")
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
@@ -65,7 +64,7 @@ class SweepConfig(Section):
     space: dict[str, Any] = Field(min_length=1)
     search: SearchConfig = Field(default_factory=SearchConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    metric: Literal[METRICS] = "val_accuracy"
+    metric: Literal[ALL_VALIDATION_METRICS] = "val_accuracy"
     mode: Literal["min", "max"] = "max"
     # Trials to draw (with grid: times through the grid).
     num_samples: int = Field(8, ge=1)

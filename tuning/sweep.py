@@ -57,7 +57,8 @@ def check_resumable(sweep: Sweep, state: dict) -> None:
 def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
     from training.data.prepare import prepare
-    from training.run.driver import VALIDATION_METRICS, check_storage, resolve_paths
+    from training.run.driver import check_storage, resolve_paths
+    from training.metrics import VALIDATION_METRICS
 
     started = time.monotonic()
     state = read_state(sweep)

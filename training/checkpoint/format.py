@@ -18,7 +18,7 @@ moment the last shard lands, whatever the order, with synchronous and asynchrono
 The manifest lets it be loaded at any world size, re-sharded (or consolidated) on the way in.
 
 The sample order and every random stream are pure functions of (seed, step, rank) (see
-training/data/loader.py and `step_seed`), so (seed, step) is the complete RNG state: a run resumed
+training/data/loader.py and training/worker/seeding.py), so (seed, step) is the complete RNG state: a run resumed
 at step s draws exactly what it would have drawn.
 
 A run resumes from the newest *complete* checkpoint in its directory, which may be newer than the
@@ -50,25 +50,6 @@ class LoopState:
     best_metric: Optional[float] = None
     evals_without_improvement: int = 0
     stopped_early: bool = False
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A well-mixed 63-bit seed for (seed, step, rank): splitmix64 chained over the three, a few
-    microseconds where numpy's SeedSequence took ~80 (2% of a digits step)."""
-    x = 0
-    for value in (seed, step, rank):
-        x = _splitmix64(x ^ (value & _MASK64))
-    return x >> 1
 
 
 def checkpoint_dir_name(step: int) -> str:

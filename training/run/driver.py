@@ -22,10 +22,9 @@ from training import config as config_lib
 from training import storage
 from training.config import JobConfig
 from training.errors import ConfigError, RunFailed, UserError
+from training.metrics import VALIDATION_METRICS
 
 RUN_FILE = "run.json"
-VALIDATION_METRICS = {"classification": {"val_loss", "val_accuracy"},
-                      "language_model": {"val_loss", "val_perplexity", "val_token_accuracy"}}
 
 
 @dataclass(frozen=True)

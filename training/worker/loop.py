@@ -29,6 +29,7 @@ from training.config import JobConfig, OptimConfig
 from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
 from training.data.prepare import Manifest
 from training.models import build_model
+from training.worker.seeding import seed_all, step_seed
 from training.tasks import forward_loss, units_per_sample, validation_metrics
 from training.adaptors.ray_private import default_preemption_deadline_s, quiet_report_logs
 from training.checkpoint.upload import upload_fn
@@ -58,14 +59,6 @@ def total_steps_of(job: JobConfig, steps_per_epoch: int) -> int:
     if job.train.max_steps is not None:
         return job.train.max_steps
     return max(1, int(round(job.train.epochs * steps_per_epoch)))
-
-
-def seed_all(seed: int, device: torch.device) -> None:
-    """Seed the generators a step draws from; torch.manual_seed does the same for every device
-    type at ~100 us a call, which shows in a loop of millisecond steps."""
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 
 
 def _sum_across_workers(values: list[float], device: torch.device) -> list[float]:
@@ -167,7 +160,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     while loop.step < total_steps and not loop.stopped_early:
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
-        seed_all(ckpt.step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
+        seed_all(step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
             sync = index == len(micro_batches) - 1
