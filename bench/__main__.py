@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray
 
-        from training.run.driver import live_local_cluster
+        from training.run.session import live_local_cluster
 
         live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
         os.environ["TRAINING_BASE_DIR"] = base

@@ -45,7 +45,7 @@ class RunEstimate:
     def total_usd(self) -> float:
         return self.head_usd + self.workers_usd
 
-    def as_mlflow_params(self) -> dict[str, float]:
+    def as_metrics(self) -> dict[str, float]:
         """What a training run logs about its cluster (names carry the units)."""
         return {"cluster_cost_usd_estimate": round(self.total_usd, 4),
                 "cluster_gpu_energy_kwh_estimate": round(self.gpu_kwh, 4)}

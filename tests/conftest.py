@@ -32,7 +32,7 @@ def ray_cluster():
     """One local Ray cluster per test module (starting one costs 5-20 s)."""
     import ray
 
-    from training.run.driver import live_local_cluster
+    from training.run.session import live_local_cluster
 
     if ray.is_initialized():
         ray.shutdown()

@@ -111,11 +111,11 @@ def test_model_must_fit_the_task():
 
 def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
     from conftest import REPO
-    from training.run.cost import cluster_config_path, estimate_params
+    from training.run.cost import cluster_config_path, estimate_cost_metrics
 
     monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
     path = cluster_config_path(None)
-    params = estimate_params(path, wall_s=2 * 3600, gpu_workers=2)
+    params = estimate_cost_metrics(path, wall_s=2 * 3600, gpu_workers=2)
     from cluster.prices import load_price_table
 
     table = load_price_table()
@@ -127,7 +127,7 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
 
 def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypatch):
     from conftest import REPO
-    from training.run.capacity import maximum_resources, use_gpus
+    from training.run.resources import maximum_resources, use_gpus
 
     assert maximum_resources() is None  # not on a launched head
     # cluster.yaml: a head of 4 CPUs, then spot (priority 10, up to 8 x {4 CPU, 1 GPU}) before

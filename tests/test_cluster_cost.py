@@ -82,7 +82,7 @@ def test_default_run_is_one_hour_at_the_spot_types_max(costs):
     assert run.workers == {"gpu_spot": 8} and run.unplaced_workers == 0
     assert run.total_usd == pytest.approx(HEAD_OD + 8 * SPOT)
     assert run.on_demand_usd == pytest.approx(HEAD_OD + 8 * SPOT_OD)
-    assert run.as_mlflow_params() == {"cluster_cost_usd_estimate": round(HEAD_OD + 8 * SPOT, 4),
+    assert run.as_metrics() == {"cluster_cost_usd_estimate": round(HEAD_OD + 8 * SPOT, 4),
                                       "cluster_gpu_energy_kwh_estimate": round(8 * WATTS / 1000, 4)}
 
 

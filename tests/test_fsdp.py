@@ -13,7 +13,7 @@ from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training import storage
 from training.errors import ConfigError
-from training.models.gpt import GPT, PRESETS, GPTOptions, gpt_num_params
+from training.models.gpt import GPT, PRESETS, GPTOptions
 from training.worker.parallel import peak_flops_of, peak_flops_per_s
 
 TINY = ["data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}"]
@@ -43,6 +43,13 @@ def test_bad_parallel_config_exits_2_naming_the_field(capsys):
 
 
 # --- model sizes, FLOPs, peak ---------------------------------------------------------------------
+
+def gpt_num_params(vocab_size: int, seq_len: int, options: GPTOptions) -> int:
+    """Parameters of GPT(vocab_size, seq_len, options) from the architecture alone."""
+    d, n = options.d_model, options.n_layer
+    per_block = 12 * d * d + 13 * d  # qkv, proj, two MLP matrices with biases, two LayerNorms
+    return vocab_size * d + seq_len * d + n * per_block + 2 * d  # tied head, positions, final LayerNorm
+
 
 def test_presets_span_a_laptop_to_a_gpu():
     counts = {}

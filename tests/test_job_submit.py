@@ -43,7 +43,7 @@ def head():
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(timeout=60)
     # a head killed this way leaves its address as "the current cluster" for every later Ray client
-    from training.run.driver import live_local_cluster
+    from training.run.session import live_local_cluster
 
     live_local_cluster()
 

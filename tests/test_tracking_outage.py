@@ -159,7 +159,9 @@ time.sleep(600)
 
 @pytest.mark.chaos
 def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(server, workdir, caplog, capsys):
-    from training.run.driver import _start_tracking, resolve_paths
+    from training.run.driver import start_tracking
+    from training.run.paths import resolve_paths
+    from training.run.record import RunRecord
 
     caplog.set_level("WARNING", logger="training.tracking")
     server.kill()
@@ -207,7 +209,7 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
     # set; the crashed run's is left for its own resume (it may still be running elsewhere).
     other = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={server.uri}",
                                                       "tracking.experiment=outage-backlog"], name="other")
-    _start_tracking(other, resolve_paths(other, "other"), None, "other")
+    start_tracking(other, resolve_paths(other, "other"), None, "other")
     assert steps_of(client, finished_id, "loss") == list(range(1, 21)) == steps_of(client, finished_id, "acc")
     assert client.get_run(finished_id).info.status == "FINISHED" and not finished_backlog.exists()
     assert f"tracking: sent 40 metrics kept in {finished_backlog}" in capsys.readouterr().out
@@ -216,8 +218,8 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
     # The crashed run resumed (same name, so same run directory and MLflow run): its backlog is
     # delivered, once, however often it is replayed.
     crashed_job = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={server.uri}"], name="crashed")
-    resumed = _start_tracking(crashed_job, resolve_paths(crashed_job, "crashed"),
-                              {"mlflow_run_id": crashed_id, "tracking_uri": server.uri}, "crashed")
+    resumed = start_tracking(crashed_job, resolve_paths(crashed_job, "crashed"),
+                              RunRecord("crashed", {}, crashed_id, server.uri), "crashed")
     assert resumed.run_id == crashed_id and client.get_run(crashed_id).info.status == "RUNNING"
     assert steps_of(client, crashed_id, "loss") == list(range(1, 21)) and not crashed_backlog.exists()
     crashed_backlog.write_text(json.dumps({"run_id": crashed_id, "tracking_uri": server.uri, "status": None}) + "\n"

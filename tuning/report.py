@@ -19,6 +19,8 @@ import yaml
 
 from training import config as config_lib
 from training import storage
+from training.adaptors.ray_private import result_grid_trials
+from training.run.record import RunRecord
 from training.tracking.tracker import NullTracker, fluent_mlflow
 from tuning.config import Sweep
 from tuning.trial import SWEEP_TAG, TRIAL_TAG
@@ -39,8 +41,8 @@ class TrialRow:
     checkpoint_path: Optional[str] = None
 
 
-def start_parent(sweep: Sweep, paths, state: Optional[dict]):
-    from training.run.driver import _artifact_location
+def start_parent(sweep: Sweep, paths, state: Optional[RunRecord]):
+    from training.run.paths import artifact_location
     from training.tracking.tracker import MlflowTracker
 
     if paths.tracking_uri is None:
@@ -59,8 +61,8 @@ def start_parent(sweep: Sweep, paths, state: Optional[dict]):
                        "scheduler.resample_probability": str(cfg.scheduler.resample_probability)})
     tags = {SWEEP_TAG: sweep.name, "tune.role": "sweep", "mlflow.runName": sweep.name}
     parent = MlflowTracker.start(paths.tracking_uri, sweep.base.tracking.experiment, sweep.name,
-                                 state.get("parent_run_id") if state else None, tags, params,
-                                 artifact_location=_artifact_location(paths, sweep.base))
+                                 state.mlflow_run_id if state else None, tags, params,
+                                 artifact_location=artifact_location(paths, sweep.base))
     text = yaml.safe_dump({"sweep": cfg.model_dump(mode="json"), "base": sweep.base.model_dump(mode="json")},
                           sort_keys=False)
     parent.client.log_text(parent.run_id, text, "sweep/resolved_sweep.yaml")
@@ -70,7 +72,7 @@ def start_parent(sweep: Sweep, paths, state: Optional[dict]):
 def trial_rows(sweep: Sweep, grid, paths) -> list[TrialRow]:
     metric = sweep.config.metric
     rows = []
-    for trial, result in zip(grid._experiment_analysis.trials, grid):  # private: the only trial-id view
+    for trial, result in zip(result_grid_trials(grid), grid):
         metrics = result.metrics or {}
         run = metrics.get("training_run") or f"{sweep.name}-{trial.trial_id}"
         frame = result.metrics_dataframe
@@ -102,7 +104,7 @@ def best_row(sweep: Sweep, rows: list[TrialRow]) -> Optional[TrialRow]:
     return pick(scored, key=lambda r: r.last)
 
 
-def finish(sweep: Sweep, paths, manifest, grid, parent, state: dict, summary, log) -> None:
+def finish(sweep: Sweep, paths, manifest, grid, parent, state: RunRecord, summary, log) -> None:
     rows = trial_rows(sweep, grid, paths)
     summary.rows, summary.best = rows, best_row(sweep, rows)
     for row in rows:
@@ -147,8 +149,8 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: dict, summary, lo
             if best.mlflow_run_id:
                 client.set_tag(parent.run_id, "best_run_id", best.mlflow_run_id)
             if sweep.base.tracking.register_model and best.mlflow_run_id:
-                summary.registered = state.get("registered") or _register(sweep, job, manifest, best, parent)
-                state["registered"] = summary.registered
+                summary.registered = state.registered or _register(sweep, job, manifest, best, parent)
+                state.registered = summary.registered
             log(f"sweep {sweep.name}: best trial {best.trial_id} ({sweep.config.metric} {_fmt(best.last)}) "
                 f"{_params_text(best.params)}")
     log(f"  MLflow parent run {parent.run_id} at {parent.tracking_uri}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from training.config import JobConfig
+from training.run.resources import WorkerResources
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,9 @@ class ConcurrencyDecision:
     fits_at_largest: bool = True  # one trial fits on the cluster at the largest its autoscaler makes it
 
 
-def trial_resources(job: JobConfig, driver_cpus: float, use_gpu: bool) -> TrialResources:
-    """`use_gpu`: whether `scaling.use_gpu: auto` means GPUs on this cluster."""
-    use_gpu = use_gpu if job.scaling.use_gpu == "auto" else job.scaling.use_gpu
-    per_worker = {"CPU": job.scaling.cpus_per_worker, **job.scaling.resources_per_worker,
-                  **({"GPU": 1.0} if use_gpu else {})}
+def trial_resources(job: JobConfig, driver_cpus: float, workers: WorkerResources) -> TrialResources:
+    """`workers`: what each of the trial's training workers holds (`training.run.resources`)."""
+    per_worker = workers.per_worker
     return TrialResources(driver={"CPU": driver_cpus},
                           min_workers={k: v * job.scaling.min_workers for k, v in per_worker.items()},
                           max_workers={k: v * job.scaling.max_workers for k, v in per_worker.items()})

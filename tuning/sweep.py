@@ -8,13 +8,14 @@ training run in `<storage_path>/<name>-<trial id>/`, like any training run.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from training import storage
-from training.errors import ConfigError, UserError
+from training.errors import UserError
+from training.run.paths import resolve_paths
+from training.run.record import RunRecord
 from tuning.config import Sweep
 
 STATE_FILE = "sweep.json"
@@ -36,54 +37,36 @@ class SweepSummary:
 
 
 def sweep_dir(sweep: Sweep) -> str:
-    from training.run.driver import resolve_paths
-
     return storage.join(resolve_paths(sweep.base, sweep.name).storage_path, "sweeps", sweep.name)
 
 
-def read_state(sweep: Sweep) -> Optional[dict]:
-    uri = storage.join(sweep_dir(sweep), STATE_FILE)
-    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
-
-
-def check_resumable(sweep: Sweep, state: dict) -> None:
-    now = json.loads(json.dumps(sweep.identity()))
-    changed = sorted(key for key, value in now.items() if state["identity"].get(key) != value)
-    if changed:
-        raise ConfigError(f"sweep {sweep.name!r} already exists with a different {', '.join(changed)}; resuming it "
-                          "would mix two sweeps. Use a new --name, or the original sweep file to resume it.")
+def read_state(sweep: Sweep) -> Optional[RunRecord]:
+    return RunRecord.read(storage.join(sweep_dir(sweep), STATE_FILE), sweep.name, f"sweep storage {sweep_dir(sweep)}")
 
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
-    from training.data.prepare import prepare
-    from training.run.driver import check_storage, resolve_paths
-    from training.metrics import VALIDATION_METRICS
+    from training.run import preflight
 
     started = time.monotonic()
     state = read_state(sweep)
     if state is not None:
-        check_resumable(sweep, state)
+        state.check_resumable(sweep.identity(), "sweep", "the original sweep file")
     paths = resolve_paths(sweep.base, sweep.name)
 
     def check(task: str, spec: dict, rows: dict) -> None:
-        if sweep.config.metric not in VALIDATION_METRICS[task]:
-            raise ConfigError(f"metric: {sweep.config.metric!r} is not a validation metric of {task} data; "
-                              f"allowed: {', '.join(sorted(VALIDATION_METRICS[task]))}")
-        check_storage(paths)
+        preflight.check_metric("metric", sweep.config.metric, task)
+        preflight.check_storage(paths)
 
-    try:
-        manifest = prepare(sweep.base.data, paths.data_cache, log=log, check=check)
-    except ValueError as exc:
-        raise UserError(f"data ({sweep.base.data.source}): {exc}") from None
+    manifest = preflight.prepare_checked(sweep.base.data, paths, check, log)
     from tuning import report
 
     parent = report.start_parent(sweep, paths, state)
     path = sweep_dir(sweep)
+    state_uri = storage.join(path, STATE_FILE)
     if state is None:
-        state = {"name": sweep.name, "identity": sweep.identity(), "created": time.time(),
-                 "parent_run_id": parent.run_id, "tracking_uri": paths.tracking_uri}
-        storage.write_text(storage.join(path, STATE_FILE), json.dumps(state, indent=2))
+        state = RunRecord(sweep.name, json.loads(json.dumps(sweep.identity())), parent.run_id, paths.tracking_uri)
+        state.write(state_uri)
     log(f"sweep {sweep.name}: {'resuming' if _started(path) else 'starting'}; storage {path}")
     summary = SweepSummary(name=sweep.name, path=path, parent_run_id=parent.run_id, tracking_uri=paths.tracking_uri)
     try:
@@ -92,7 +75,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     except BaseException:
         parent.finish("FAILED")
         raise
-    storage.write_text(storage.join(path, STATE_FILE), json.dumps(state, indent=2))
+    state.write(state_uri)
     summary.wall_s = time.monotonic() - started
     parent.finish("FINISHED")
     return summary
@@ -106,32 +89,22 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     import ray
     from ray import tune
 
-    from training.run.capacity import maximum_resources, use_gpus
-    from training.plugins import plugin_module_paths
-    from training.run.driver import in_submitted_job, live_local_cluster
+    from training.run.resources import maximum_resources, worker_resources
+    from training.run.session import ray_session
     from tuning import resources, schedule
     from tuning.trial import TrialSetup, train_trial
 
     largest = maximum_resources()  # None: no launcher config on this machine
-
     # Save the sweep's state often: a driver that dies resumes from it (it is small).
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        plugin_paths = [] if in_submitted_job() else plugin_module_paths(sweep.base.model.name, sweep.base.data.source)
-        address = None if os.environ.get("RAY_ADDRESS") else (live_local_cluster() or "local")
-        ray.init(address=address, log_to_driver=True,
-                 runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
-    local_only = started_ray and not os.environ.get("RAY_ADDRESS") and address == "local"
-    try:
+    with ray_session(sweep.base.model.name, sweep.base.data.source, env={"TUNE_GLOBAL_CHECKPOINT_S": "2"}) as session:
         cluster = ray.cluster_resources()
-        needs = resources.trial_resources(sweep.base, sweep.config.trial.driver_cpus, use_gpus(cluster, largest))
+        needs = resources.trial_resources(sweep.base, sweep.config.trial.driver_cpus,
+                                          worker_resources(sweep.base.scaling, cluster, largest))
         decision = resources.concurrency(sweep.config.max_concurrent_trials, needs, cluster,
                                          schedule.trial_count(sweep), largest)
         if not decision.fits_at_largest:
             raise UserError(f"trial.scaling: {decision.note}")
-        if not decision.fits and local_only:
+        if not decision.fits and session.local_only:
             raise UserError(f"trial.scaling: {decision.note} (this local cluster has no autoscaler)")
         if decision.note:
             log(f"sweep: {decision.note}")
@@ -162,6 +135,3 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
         time.sleep(1.0)  # the last trials' controllers end with their actors
         released = resources.release_orphaned_groups(ray.get_runtime_context().get_job_id())
         return grid, len(released) + resources.ReleaseStoppedTrials.total_released, decision.trials, resumed
-    finally:
-        if started_ray:
-            ray.shutdown()

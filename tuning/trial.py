@@ -151,7 +151,7 @@ def _seed_checkpoint(job: JobConfig, tune_checkpoint) -> str:
     """The donor's checkpoint rebased onto this trial's hyperparameters, where this trial's workers
     can read it (next to the run's own checkpoints)."""
     from training import storage
-    from training.run.driver import resolve_paths
+    from training.run.paths import resolve_paths
 
     run_dir = resolve_paths(job, job.name).run_dir
     seed_uri = storage.join(run_dir, "seed")

@@ -67,3 +67,9 @@ def placement_group_removed_state() -> int:
     from ray.core.generated import gcs_pb2
 
     return gcs_pb2.PlacementGroupTableData.REMOVED
+
+
+def result_grid_trials(grid) -> list:
+    """The Tune trials behind a `ResultGrid`, in the grid's order: the only view that gives each
+    result its trial id."""
+    return list(grid._experiment_analysis.trials)

@@ -109,9 +109,3 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     log(f"data: prepared {data.source} at {root} ({splits['train']['rows']} train, "
         f"{splits['validation']['rows']} validation rows in {data.num_shards} shards each)")
     return manifest
-
-
-def read_split(manifest: Manifest, split: str) -> pa.Table:
-    """The whole split, for small data and for tests."""
-    fs, _ = storage.filesystem(manifest.root)
-    return pq.ParquetDataset([storage.filesystem(u)[1] for u in manifest.shard_uris(split)], filesystem=fs).read()

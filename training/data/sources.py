@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +38,6 @@ class SourceData:
     spec: dict[str, int]
     # Digest of the source's content: prepared data is rebuilt only when it changes.
     content_digest: str
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 class DigitsOptions(Section):
@@ -107,8 +106,7 @@ def _tinylm(options: TinyLMOptions) -> SourceData:
             data = np.resize(data, width)
         splits[name] = token_table(data[: rows * width].reshape(rows, width).astype(np.int32))
     spec = {"vocab_size": 256, "seq_len": options.seq_len}
-    info = {"files": len(files), "bytes": total}
-    return SourceData("language_model", splits, spec, hasher.hexdigest(), info)
+    return SourceData("language_model", splits, spec, hasher.hexdigest())
 
 
 BUILTIN_SOURCES = {"digits": (DigitsOptions, _digits), "tinylm": (TinyLMOptions, _tinylm)}

@@ -93,12 +93,5 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt_num_params(vocab_size: int, seq_len: int, options: GPTOptions) -> int:
-    """Parameters of GPT(vocab_size, seq_len, options) from the architecture alone."""
-    d, n = options.d_model, options.n_layer
-    per_block = 12 * d * d + 13 * d  # qkv, proj, two MLP matrices with biases, two LayerNorms
-    return vocab_size * d + seq_len * d + n * per_block + 2 * d  # tied head, positions, final LayerNorm
-
-
 def build_gpt(spec: dict, options: GPTOptions) -> nn.Module:
     return GPT(spec["vocab_size"], spec["seq_len"], options)

@@ -1,4 +1,4 @@
-"""A run's estimated cluster cost and GPU energy, when it runs on a cluster described by a
+"""On the driver, after a run: its estimated cluster cost and GPU energy, when it runs on a cluster described by a
 cluster config (tracking.cluster_config, or $TRAINING_CLUSTER_CONFIG, which cluster.yaml sets on
 the head to the launcher's own copy of the config). Priced by cluster/cost.py."""
 
@@ -13,7 +13,7 @@ def cluster_config_path(configured: Optional[str]) -> Optional[str]:
     return os.path.expanduser(path) if path else None
 
 
-def estimate_params(cluster_config: str, wall_s: float, gpu_workers: int) -> dict[str, float]:
+def estimate_cost_metrics(cluster_config: str, wall_s: float, gpu_workers: int) -> dict[str, float]:
     """{cluster_cost_usd_estimate, cluster_gpu_energy_kwh_estimate} for a run of wall_s seconds on
     gpu_workers GPU nodes of that cluster."""
     from cluster.config import load_and_prepare
@@ -22,4 +22,4 @@ def estimate_params(cluster_config: str, wall_s: float, gpu_workers: int) -> dic
 
     _, config = load_and_prepare(cluster_config)
     costs, _ = node_costs(config, load_price_table())
-    return estimate_run(costs, config["head_node_type"], wall_s / 3600.0, gpu_workers).as_mlflow_params()
+    return estimate_run(costs, config["head_node_type"], wall_s / 3600.0, gpu_workers).as_metrics()

@@ -1,4 +1,5 @@
-"""How large the Ray cluster can grow, from the cluster launcher's config.
+"""What a run's workers hold, and how large the Ray cluster can grow (from the cluster launcher's
+config), resolved on the driver for training runs and sweeps alike.
 
 An autoscaling cluster starts small (cluster.yaml: GPU workers from zero), so what Ray reports now
 is not what a job may use. On a cluster started by `ray up cluster.yaml` the head holds the
@@ -11,9 +12,26 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from training.config import ScalingConfig
 from training.errors import UserError
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    use_gpu: bool                   # `scaling.use_gpu`, with `auto` resolved for this cluster
+    per_worker: dict[str, float]    # what one training worker holds (Ray Train's resources_per_worker)
+
+
+def worker_resources(scaling: ScalingConfig, cluster_now: dict[str, float],
+                     largest: Optional[dict[str, float]]) -> WorkerResources:
+    """The one rule for what a worker holds: a run places its workers with it, and a sweep counts
+    how many trials fit with it, so the two cannot disagree."""
+    use_gpu = use_gpus(cluster_now, largest) if scaling.use_gpu == "auto" else scaling.use_gpu
+    per_worker = {"CPU": scaling.cpus_per_worker, **scaling.resources_per_worker, **({"GPU": 1.0} if use_gpu else {})}
+    return WorkerResources(use_gpu, per_worker)
 
 
 def maximum_resources() -> Optional[dict[str, float]]:

@@ -1,0 +1,88 @@
+"""Contract tests of the private Ray and MLflow APIs behind training/adaptors: a version bump that
+moves or changes one fails here, by name, instead of deep inside a run or a sweep."""
+
+import inspect
+import logging
+
+import pytest
+
+from training.adaptors import mlflow_private, ray_private
+
+
+def test_ray_train_controller_callback_has_the_hooks_the_tracker_uses():
+    base = ray_private.controller_callback_base()
+    assert inspect.isclass(base)
+    for hook in ("after_controller_finish", "before_controller_abort"):
+        assert callable(getattr(base, hook, None)), f"ControllerCallback.{hook} is gone"
+
+
+def test_ray_train_preemption_deadline_default_is_a_positive_number():
+    assert ray_private.default_preemption_deadline_s() > 0
+
+
+def test_ray_train_report_logger_is_found_and_quieted():
+    from ray.train.v2._internal.execution import context
+
+    ray_private.quiet_report_logs()
+    assert logging.getLogger(context.__file__).level == logging.WARNING
+
+
+def test_ray_recorded_address_helpers_exist(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # a private /tmp/ray: nothing recorded there
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_private.recorded_local_address() is None
+    ray_private.forget_recorded_address()  # nothing to forget: must not raise
+
+
+@pytest.mark.ray
+def test_ray_placement_group_table_fields(ray_cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.01}])
+    try:
+        found = {g.placement_group_id.hex(): g for g in ray_private.placement_groups()}
+        mine = found[group.id.hex()]
+        # The fields tuning/resources.py reads to find a dead trial's group.
+        for name in ("creator_job_id", "creator_actor_id", "creator_actor_dead", "is_detached", "state"):
+            assert hasattr(mine, name), f"PlacementGroupTableData.{name} is gone"
+        assert mine.state != ray_private.placement_group_removed_state()
+        assert mine.creator_job_id.hex() == ray_cluster.get_runtime_context().get_job_id()
+    finally:
+        remove_placement_group(group)
+
+
+@pytest.mark.ray
+def test_tune_result_grid_gives_its_trials(ray_cluster, tmp_path):
+    from ray import tune
+
+    grid = tune.Tuner(lambda config: {"score": config["x"]}, param_space={"x": tune.grid_search([1, 2])},
+                      run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0)).fit()
+    trials = ray_private.result_grid_trials(grid)
+    assert len(trials) == len(grid) == 2
+    assert {t.config["x"] for t in trials} == {1, 2} and all(t.trial_id for t in trials)
+
+
+def test_mlflow_local_store_has_no_host_creds(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    assert mlflow_private.host_creds(MlflowClient(f"sqlite:///{tmp_path}/m.db")) is None
+
+
+def test_mlflow_rest_store_host_creds_and_one_shot_request():
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    creds = mlflow_private.host_creds(MlflowClient("http://127.0.0.1:9"))  # nothing listens on port 9
+    assert creds is not None and creds.host == "http://127.0.0.1:9"
+    # One attempt, no retries: the tracker's outage handling depends on this answering at once.
+    with pytest.raises(MlflowException, match="NewConnectionError"):
+        mlflow_private.rest_once(creds, "GET", "/api/2.0/mlflow/experiments/search", 1.0, params={"max_results": 1})
+
+
+def test_mlflow_messages_carry_run_metrics_and_status():
+    from mlflow.entities import Metric
+
+    batch = mlflow_private.log_batch_message("r1", [Metric("loss", 0.5, 1000, 3)])
+    assert batch.run_id == "r1" and batch.metrics[0].key == "loss" and batch.metrics[0].step == 3
+    update = mlflow_private.update_run_message("r1", "FINISHED", 2000)
+    assert update.run_id == "r1" and update.end_time == 2000 and update.status != 0

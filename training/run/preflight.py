@@ -1,0 +1,92 @@
+"""Checks the driver makes before anything starts: everything a user can get wrong fails here
+with a UserError (exit code 2), before a byte is written or a worker started.
+
+`prepare_checked` is the one way runs and sweeps prepare their data: the checks that need the data
+(its task, its size) run on the loaded source, before the prepared dataset is written.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+from training import storage
+from training.config import DataConfig, JobConfig
+from training.errors import ConfigError, UserError
+from training.metrics import VALIDATION_METRICS
+from training.run.paths import RunPaths
+
+# (task, spec, rows per split) -> None; raises UserError
+DataCheck = Callable[[str, dict, dict], None]
+
+
+def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Callable[[str], None] = print):
+    """Prepare (or find cached) the job's data, running `check` on it first; the Manifest."""
+    from training.data.prepare import prepare
+
+    try:
+        return prepare(data, paths.data_cache, log=log, check=check)
+    except ValueError as exc:
+        raise UserError(f"data ({data.source}): {exc}") from None
+
+
+def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
+    """The checks of a training run, on its loaded data."""
+
+    def check(task: str, spec: dict, rows: dict) -> None:
+        from training.models import check_model_fits_task
+
+        check_model_fits_task(job.model.name, task)
+        check_model_builds(job, task, spec)
+        check_metric_names(job, task)
+        check_batch_fits(job, rows["train"])
+        check_storage(paths)
+
+    return check
+
+
+def check_storage(paths: RunPaths) -> None:
+    """Fail fast, before anything starts, if the storage path cannot be written."""
+    probe = storage.join(paths.storage_path, f".write-probe-{uuid.uuid4().hex}")  # runs may start at once
+    try:
+        storage.write_text(probe, "ok")
+        fs, path = storage.filesystem(probe)
+        fs.delete_file(path)
+    except Exception as exc:
+        raise UserError(f"checkpoint.storage_path {paths.storage_path} is not writable: {exc}") from None
+
+
+def check_metric(field: str, metric: str, task: str) -> None:
+    allowed = VALIDATION_METRICS[task]
+    if metric not in allowed:
+        raise ConfigError(f"{field}: {metric!r} is not a validation metric of {task} data; "
+                          f"allowed: {', '.join(sorted(allowed))}")
+
+
+def check_metric_names(job: JobConfig, task: str) -> None:
+    for field, metric in (("checkpoint.score_metric", job.checkpoint.score_metric),
+                          ("train.early_stopping.metric",
+                           job.train.early_stopping.metric if job.train.early_stopping else None)):
+        if metric is not None:
+            check_metric(field, metric, task)
+
+
+def check_batch_fits(job: JobConfig, train_rows: int) -> None:
+    """At least one global batch per epoch (the workers' own rule, asked here before they start)."""
+    from training.data.loader import BatchPlan
+
+    try:
+        BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
+    """Build the model on the meta device (no memory, any size): a plug-in that cannot be imported,
+    rejects its options or returns something else fails here, before anything starts."""
+    import torch
+
+    from training.models import build_model
+
+    with torch.device("meta"):
+        build_model(job.model.name, job.model.options, {"task": task, **spec})

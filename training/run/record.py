@@ -1,0 +1,60 @@
+"""The record a run or a sweep writes into its storage when it first starts (`run.json`,
+`sweep.json`), read by the driver when the same name is started again: what defines the run (its
+identity), which MLflow run tracks it, and where."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from training import storage
+from training.errors import ConfigError, UserError
+
+
+@dataclass
+class RunRecord:
+    name: str
+    identity: dict
+    mlflow_run_id: Optional[str]  # a sweep's: its parent run
+    tracking_uri: Optional[str]
+    created: float = field(default_factory=time.time)
+    registered: Optional[dict] = None  # a sweep's best model, once registered: registered once only
+
+    @classmethod
+    def read(cls, uri: str, name: str, what: str) -> Optional["RunRecord"]:
+        """The record of run (or sweep) `name` at `uri`, None if there is none; UserError if the
+        storage (`what`) cannot be reached or the record is not one this service wrote whole."""
+        try:
+            if not storage.exists(uri):
+                return None
+            text = storage.read_text(uri)
+        except OSError as exc:
+            raise UserError(f"{what} is not reachable: {str(exc).splitlines()[0][:300]}") from None
+        try:
+            raw = json.loads(text)
+            identity = raw["identity"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{uri} is not a complete run record; move it away (or use a new --name) "
+                            "to start the run afresh") from None
+        run_id = raw.get("mlflow_run_id", raw.get("parent_run_id"))  # sweeps wrote parent_run_id
+        return cls(raw.get("name", name), identity, run_id, raw.get("tracking_uri"), raw.get("created", 0.0),
+                   raw.get("registered"))
+
+    def write(self, uri: str) -> None:
+        storage.write_text(uri, json.dumps(asdict(self), indent=2))
+
+    def check_resumable(self, identity: dict, kind: str, remedy: str) -> None:
+        """Refuse to continue a run whose identity changed: it would mix two different runs.
+        `identity` is what defines the run now, in the form it was recorded (JSON values)."""
+        identity = json.loads(json.dumps(identity))
+        changed = [key for key, value in identity.items() if self.identity.get(key) != value]
+        if changed:
+            raise ConfigError(f"{kind} {self.name!r} already exists with a different {', '.join(changed)}; "
+                              f"resuming it would mix two different {kind}s. Use a new --name, or {remedy} to resume it.")
+
+    def check_tracking(self, tracking_uri: Optional[str]) -> None:
+        if self.tracking_uri not in (None, tracking_uri):
+            raise ConfigError(f"run {self.name!r} is tracked at {self.tracking_uri}, not {tracking_uri}; "
+                              "set tracking.tracking_uri to the original to resume it")
