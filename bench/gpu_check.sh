@@ -36,6 +36,6 @@ metrics = json.load(open(sys.argv[1]))["metrics"]
 mfu, peak = metrics.get("mfu"), metrics.get("peak_memory_bytes")
 print(f"tinylm small, FSDP + bf16, {metrics['world_size']} GPU(s), {metrics['step']} steps (last window of 10):")
 print(f"  tokens/s      {metrics['tokens_per_s']:,.0f}")
-print(f"  MFU           {mfu:.1%}" if mfu is not None else "  MFU           n/a (GPU not in training/parallel.py's peak table)")
+print(f"  MFU           {mfu:.1%}" if mfu is not None else "  MFU           n/a (GPU not in training/worker/parallel.py's peak table)")
 print(f"  peak memory   {peak / 2**30:.2f} GiB per GPU (torch.cuda.max_memory_allocated)" if peak else "  peak memory   n/a")
 PY

@@ -1,4 +1,6 @@
 """Distributed, fault-tolerant PyTorch training on Ray Train, tracked in MLflow.
 
-Entry points: `python -m training` (training/cli.py) and `training.run.run_training`.
+Entry points: `python -m training` (training/run/cli.py) and `training.run.driver.run_training`.
+Which process runs what: `run/` the driver, `worker/` the Ray Train workers, `tracking/` the driver
+and the Ray Train controller, `checkpoint/` written by the workers and read by all.
 """

@@ -1,5 +1,5 @@
 """One trial: the function trainable Tune runs, which runs one training run through
-`training.run.run_training`, the same code path as `python -m training`.
+`training.run.driver.run_training`, the same code path as `python -m training`.
 
 The run is named after the trial (`<sweep>-<trial id>`), so a restarted trial resumes its own run
 from its own checkpoints, and it continues the trial's one MLflow child run. The Train controller
