@@ -77,3 +77,12 @@ def test_flatten_and_identity():
     changed = config_lib.load(CONFIGS / "digits.yaml", ["train.max_steps=9", "scaling.num_workers=1"])
     assert config_lib.identity_of(changed) == config_lib.identity_of(job)  # length and scale may change
     assert config_lib.identity_of(config_lib.load(CONFIGS / "digits.yaml", ["seed=1"])) != config_lib.identity_of(job)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "optim.weight_decay=.nan", "optim.grad_clip_norm=.inf",
+                                      "train.epochs=.inf", "scaling.cpus_per_worker=.nan",
+                                      "train.min_report_interval_s=.inf"])
+def test_non_finite_floats_are_refused_by_name(override):
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        config_lib.load(None, [override])

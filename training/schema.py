@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class Section(BaseModel):
-    """A config section or an options model: unknown keys refused, values frozen."""
+    """A config section or an options model: unknown keys and non-finite floats (inf, nan) refused,
+    values frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def set_path(raw: dict, dotted: str, value: Any) -> dict:
