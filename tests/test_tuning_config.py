@@ -142,3 +142,16 @@ def test_a_rebased_seed_keeps_the_donors_weights_and_takes_the_new_hyperparamete
     meta = json.loads((tmp_path / "seed" / ckpt.META_FILE).read_text())
     assert meta.get("state_bytes", (tmp_path / "seed" / ckpt.STATE_FILE).stat().st_size) == \
         (tmp_path / "seed" / ckpt.STATE_FILE).stat().st_size
+
+
+def test_a_relative_base_is_found_next_to_the_sweep_file_first(tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "job.yaml").write_text("seed: 7\ntrain: {max_steps: 5}\n")
+    (folder / "sweep.yaml").write_text("base: job.yaml\nspace:\n  optim.lr: {loguniform: [1.0e-4, 1.0e-2]}\n")
+    monkeypatch.chdir(tmp_path)  # not the sweep file's folder
+    assert sweep_config.load(folder / "sweep.yaml").base.seed == 7
+    # Not there: the working directory, as before (the shipped sweeps name training/configs/...).
+    (tmp_path / "other.yaml").write_text("seed: 9\n")
+    (folder / "sweep2.yaml").write_text("base: other.yaml\nspace:\n  optim.lr: {loguniform: [1.0e-4, 1.0e-2]}\n")
+    assert sweep_config.load(folder / "sweep2.yaml").base.seed == 9

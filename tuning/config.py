@@ -117,9 +117,12 @@ def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
     if isinstance(sweep.base, dict):
         raw, source = sweep.base, f"{sweep_path}: base"
     else:
+        # Relative to the sweep file's folder first (as compose files are), then the working directory.
         base_path = Path(sweep.base)
+        if not base_path.is_absolute() and (sweep_path.parent / base_path).is_file():
+            base_path = sweep_path.parent / base_path
         raw = config_lib.read_yaml_mapping(base_path, "base: job config",
-                                           "paths are relative to the working directory")
+                                           "a relative path is looked up next to the sweep file, then in the working directory")
         source = f"base {base_path}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
