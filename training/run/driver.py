@@ -225,7 +225,8 @@ def _checkpoint_metrics(checkpoint) -> dict:
 
 def _start_tracking(job: JobConfig, paths: RunPaths, record: Optional[dict], name: str,
                     run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
-    from training.tracking.tracker import MlflowTracker, NullTracker, replay_backlogs
+    from training.tracking.backlog import replay_backlogs
+    from training.tracking.tracker import MlflowTracker, NullTracker
 
     if not job.tracking.enabled:
         return NullTracker()
