@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class Sender:
+    """One MLflow run's queue and its thread, started on demand and stopped by `stop`."""
+
     def __init__(self, run_id: Optional[str], run_dir: Optional[str], transport: MlflowTransport,
                  policy: SendPolicy):
-        self.run_id, self.run_dir, self.policy, self.transport = run_id, run_dir, policy, transport
+        self.run_id, self.policy, self.transport = run_id, policy, transport
         self.backlog_uri = backlog.backlog_uri(run_dir) if run_dir else None
         self._cond = threading.Condition()  # guards everything below; notified whenever it changes
         self._thread: Optional[threading.Thread] = None

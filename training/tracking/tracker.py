@@ -84,6 +84,9 @@ class NullTracker:
 
 
 class MlflowTracker:
+    """One MLflow run: set up by `start` on the driver, fed by `log_metrics` (driver and controller),
+    ended by `finish` on the driver. `transport` is the one `start` checked MLflow with."""
+
     def __init__(self, tracking_uri: str, run_id: Optional[str], run_dir: Optional[str] = None,
                  policy: SendPolicy = SendPolicy(), transport: Optional[MlflowTransport] = None):
         self.tracking_uri, self.run_id, self.run_dir, self.policy = tracking_uri, run_id, run_dir, policy
@@ -160,9 +163,10 @@ class MlflowTracker:
         return not self._gave_up
 
     def close(self, wait_s: Optional[float] = None) -> bool:
-        """Wait up to wait_s (default policy.end_wait_s) until what is queued is delivered, then stop
-        the sender; what is still undelivered (with the final status, if finish set one) is written
-        to the backlog file and a warning names it. True if everything was delivered."""
+        """Wait up to wait_s (default policy.end_wait_s) until what is queued (and a backlog file that
+        catch_up or finish asked for) is delivered, then stop the sender; what is still undelivered
+        (with the final status, if finish set one) is written to the backlog file and a warning names
+        it. True if everything was delivered."""
         if not self._sender.running:
             return self._sender.undelivered() == (0, None)
         self._sender.drain(self._wait_s(wait_s))

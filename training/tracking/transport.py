@@ -10,6 +10,8 @@ from training.adaptors import mlflow_private
 
 
 class MlflowTransport:
+    """The calls to one tracking URI; the send calls raise whatever MLflow or the connection raised."""
+
     def __init__(self, tracking_uri: str, timeout_s: float):
         self.tracking_uri, self.timeout_s = tracking_uri, timeout_s
         self._client = None
