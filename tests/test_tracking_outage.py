@@ -19,7 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from conftest import CONFIGS, REPO, wait_for
 from training import config as config_lib
-from training.tracking.tracker import BACKLOG_FILE, MlflowTracker, SendPolicy, read_backlog, replay_backlogs
+from training.tracking.backlog import BACKLOG_FILE, read_backlog, replay_backlogs
+from training.tracking.policy import SendPolicy
+from training.tracking.tracker import MlflowTracker
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 # Short attempts and backoff so that the tests run in seconds; the defaults are in SendPolicy.
@@ -145,7 +147,8 @@ def test_metrics_logged_through_an_outage_arrive_exactly_once(server, tmp_path, 
 
 CRASHING_DRIVER = """
 import sys, time
-from training.tracking.tracker import MlflowTracker, SendPolicy
+from training.tracking.policy import SendPolicy
+from training.tracking.tracker import MlflowTracker
 uri, run_id, run_dir = sys.argv[1:4]
 tracker = MlflowTracker(uri, run_id, run_dir, SendPolicy(attempt_timeout_s=1, first_backoff_s=0.2, max_backoff_s=0.5,
                                                           persist_every_s=60))

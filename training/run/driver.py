@@ -113,14 +113,15 @@ def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord],
                    run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
     """The run's tracker: its MLflow run continued (a resume) or created, with the job's params and
     tags; the backlogs of earlier runs in the same storage delivered. UserError if MLflow is away."""
-    from training.tracking.tracker import MlflowTracker, NullTracker, replay_backlogs
+    from training.tracking.backlog import replay_backlogs
+    from training.tracking.tracker import RUN_NAME_TAG, MlflowTracker, NullTracker
 
     if not job.tracking.enabled:
         return NullTracker()
     import ray
     import torch
 
-    tags = {"training.run_name": name, "git_commit": git_commit(), "ray_version": ray.__version__,
+    tags = {RUN_NAME_TAG: name, "git_commit": git_commit(), "ray_version": ray.__version__,
             "torch_version": torch.__version__, "world_size": str(job.scaling.num_workers),
             "mlflow.runName": name, **(extra_tags or {})}
     if record is not None:
