@@ -1,4 +1,7 @@
-"""The checkpoint format: one directory, complete and versioned.
+"""The checkpoint format: one directory, complete and versioned. Used by the workers (write,
+restore, upload order), the driver (metrics of the final checkpoint, the final model) and sweeps
+(PBT's rebase of a donor's optimizer); this is the one module that knows file names, state keys
+and meta.json's fields.
 
     state.pt   model (unwrapped state dict), optimizer, scheduler, loop state, resolved config
     meta.json  format version, step, epoch, position in the epoch, world size, metrics, and the
@@ -6,7 +9,8 @@
 
 A sharded checkpoint (parallel.strategy: fsdp) holds instead, written by every worker at once:
 
-    __<rank>_0.distcp  each worker's shard of the model and optimizer (torch.distributed.checkpoint)
+    __<rank>_0.distcp  each worker's shard of the model and optimizer (torch.distributed.checkpoint),
+                       the optimizer's param_groups (lr, weight_decay, ...) among them
     .metadata          the shards' manifest (rank 0): which slice of which tensor is where
     train_state.pt     scheduler, loop state, resolved config (rank 0)
     meta.json          as above (rank 0), with "layout": "sharded" and the size of every other file
@@ -16,6 +20,10 @@ run side by side, so meta.json may land before another worker's shard: such a di
 incomplete (a file missing or shorter than recorded) and is never chosen. It becomes complete the
 moment the last shard lands, whatever the order, with synchronous and asynchronous uploads alike.
 The manifest lets it be loaded at any world size, re-sharded (or consolidated) on the way in.
+
+PBT's exploit copies a donor's checkpoint onto another trial's optimizer settings
+(rebase_optimizer), in one process: a sharded one comes out as one shard (__0_0.distcp) with its
+manifest, which loads at any world size like the rest.
 
 The sample order and every random stream are pure functions of (seed, step, rank) (see
 training/data/loader.py and training/worker/seeding.py), so (seed, step) is the complete RNG state: a run resumed
@@ -41,6 +49,10 @@ FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 TRAIN_STATE_FILE = "train_state.pt"  # sharded layout
+MANIFEST_FILE = ".metadata"  # sharded layout: torch.distributed.checkpoint's own name
+# The prefix under which the optimizer's param_groups lie in a sharded checkpoint's flattened state
+# (torch.distributed.checkpoint flattens {"optimizer": {"param_groups": [{"lr": ...}]}} so).
+PARAM_GROUPS_KEY = "optimizer.param_groups."
 DIR_PATTERN = re.compile(r"^checkpoint-(\d{8})$")
 
 
@@ -91,7 +103,7 @@ def save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: to
     if rank == 0:
         torch.save({"format_version": FORMAT_VERSION, "scheduler": scheduler_state, "loop": asdict(loop),
                     "config": config}, directory / TRAIN_STATE_FILE)
-    mine = {p.name: p.stat().st_size for p in directory.iterdir()}
+    mine = _file_sizes(directory)
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
@@ -102,8 +114,50 @@ def save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: to
                     {"layout": "sharded", "files": dict(sorted(files.items()))})
 
 
-def is_sharded(directory: str | Path) -> bool:
-    return (Path(directory) / TRAIN_STATE_FILE).is_file() or (Path(directory) / ".metadata").is_file()
+def _file_sizes(directory: Path) -> dict[str, int]:
+    """What meta.json records of a sharded checkpoint: every other file's size."""
+    return {p.name: p.stat().st_size for p in directory.iterdir() if p.name != META_FILE}
+
+
+def write(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, sharded: bool, loop: LoopState, config: dict,
+          steps_per_epoch: int, world_size: int, metrics: dict) -> None:
+    """A worker's checkpoint of its training state: sharded, every worker calls this at once (see
+    save_sharded); else rank 0 alone. `model` is the unwrapped module (its own parameter names)."""
+    fields = dict(scheduler_state=scheduler.state_dict(), loop=loop, config=config, steps_per_epoch=steps_per_epoch,
+                  world_size=world_size, metrics=metrics)
+    if sharded:
+        save_sharded(directory, model=model, optimizer=optimizer, **fields)
+    else:
+        save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(), **fields)
+
+
+def restore(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LRScheduler, *, sharded: bool) -> LoopState:
+    """Load a checkpoint into the model, optimizer and scheduler in place; returns the loop state.
+    Sharded, every worker calls this at once and reads its part, whatever the world size that wrote it."""
+    if sharded:
+        state = load_sharded(directory, model, optimizer)
+    else:
+        state = load(directory)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["loop"]
+
+
+def written_bytes(directory: str | Path) -> int:
+    """The size of what a worker wrote into a checkpoint directory."""
+    return sum(p.stat().st_size for p in Path(directory).iterdir())
+
+
+def upload_order(names) -> list[str]:
+    """The order to upload a checkpoint's files in: meta.json last, since it marks the rest complete."""
+    return sorted(names, key=lambda name: name == META_FILE)
+
+
+def has_sharded_layout(directory: str | Path) -> bool:
+    return (Path(directory) / TRAIN_STATE_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
 
 
 def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -129,7 +183,7 @@ def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch
 def load_model_state(directory: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full (consolidated) state dict from either layout, in one process: `model`, an
     unsharded instance of the same architecture, gives the keys and shapes."""
-    if not is_sharded(directory):
+    if not has_sharded_layout(directory):
         return load(directory)["model"]
     import torch.distributed.checkpoint as dcp
 
@@ -147,7 +201,7 @@ def _check_version(directory, state: dict) -> None:
 def load(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
-        if is_sharded(directory):
+        if has_sharded_layout(directory):
             raise ValueError(f"checkpoint {directory} is sharded (written with parallel.strategy: fsdp); "
                              "this run (parallel.strategy: ddp) cannot load it")
         raise FileNotFoundError(f"{directory} holds no {STATE_FILE}: not a checkpoint of this service")
@@ -169,6 +223,12 @@ def read_meta(fs: pafs.FileSystem, directory: str) -> Optional[dict]:
             return json.loads(stream.read())
     except (OSError, ValueError):
         return None
+
+
+def metrics_of(fs: pafs.FileSystem, directory: str) -> dict:
+    """The metrics a checkpoint recorded with its step, `{**metrics, "step": step}`; {} without meta.json."""
+    meta = read_meta(fs, directory)
+    return {**meta.get("metrics", {}), "step": meta["step"]} if meta else {}
 
 
 def is_complete(fs: pafs.FileSystem, directory: str) -> bool:
@@ -198,3 +258,74 @@ def newest_complete(fs: pafs.FileSystem, run_dir: str, newer_than: int = -1) -> 
         if step > newer_than and is_complete(fs, path):
             return step, path
     return None
+
+
+# --- PBT: a donor's checkpoint on another trial's hyperparameters ----------------------------------
+
+def rebase_optimizer(source_dir: str | Path, destination: str | Path, optim) -> None:
+    """Copy the complete checkpoint `source_dir` (either layout) to the new directory `destination`,
+    with the optimizer's hyperparameters replaced by `optim`'s (an OptimConfig). Weights, moments and
+    step stay the source's; the learning rate keeps the source's position in its schedule (the ratio
+    lr / initial_lr), and weight decay, betas or momentum, the scheduler's base rates and the stored
+    config's `optim` section become `optim`'s. Runs in one process (a trial's driver): a sharded
+    checkpoint is read whole and written again as one shard, which loads at any world size."""
+    source, destination = Path(source_dir), Path(destination)
+    if not is_complete(pafs.LocalFileSystem(), str(source)):
+        raise ValueError(f"{source} is not a complete checkpoint of format {FORMAT_VERSION}")
+    destination.mkdir(parents=True)
+    meta = json.loads((source / META_FILE).read_text())
+    sharded = meta.get("layout") == "sharded"
+    state_file = TRAIN_STATE_FILE if sharded else STATE_FILE
+    state = torch.load(source / state_file, map_location="cpu", weights_only=True)
+    _check_version(source, state)
+    if sharded:  # the param_groups are in the shards; train_state.pt holds the scheduler and config
+        groups = _rebase_shards(source, destination, optim)
+    else:
+        groups = state["optimizer"]["param_groups"]
+        _rebase_param_groups(groups, optim)
+    scheduler = state["scheduler"]
+    scheduler["base_lrs"] = [optim.lr] * len(scheduler.get("base_lrs", [None]))
+    if "_last_lr" in scheduler:
+        scheduler["_last_lr"] = [group["lr"] for group in groups]
+    state["config"]["optim"] = optim.model_dump(mode="json")
+    torch.save(state, destination / state_file)
+    # The recorded sizes are what mark the copy complete: meta.json, written last, records them.
+    if sharded:
+        meta["files"] = dict(sorted(_file_sizes(destination).items()))
+    else:
+        meta["state_bytes"] = (destination / STATE_FILE).stat().st_size
+    (destination / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def _rebase_param_groups(groups: list[dict], optim) -> None:
+    settings = {"lr": optim.lr, "weight_decay": optim.weight_decay}
+    settings.update({"betas": tuple(optim.betas)} if optim.name == "adamw" else {"momentum": optim.momentum})
+    for group in groups:
+        scale = group["lr"] / group.get("initial_lr", group["lr"])  # where the source was in its schedule
+        group.update(settings, initial_lr=optim.lr, lr=optim.lr * scale)
+
+
+def _rebase_shards(source: Path, destination: Path, optim) -> list[dict]:
+    """The model and optimizer of a sharded checkpoint, with its param_groups rebased, written to
+    `destination` as one shard (and its manifest); returns the rebased param_groups."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # The whole state as DCP flattened it ("model.<name>", "optimizer.state.<name>.exp_avg",
+    # "optimizer.param_groups.0.lr", ...), into a template made from the manifest alone: a tensor
+    # of each recorded size, a placeholder for each pickled value. No model is needed.
+    manifest = dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    flat = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata)
+            else None for key, item in manifest.items()}
+    dcp.load(flat, checkpoint_id=source, no_dist=True)
+    groups: dict[int, dict] = {}
+    for key in [k for k in flat if k.startswith(PARAM_GROUPS_KEY)]:
+        index, name = key[len(PARAM_GROUPS_KEY):].split(".", 1)
+        groups.setdefault(int(index), {})[name] = flat.pop(key)
+    ordered = [groups[index] for index in sorted(groups)]
+    assert ordered, f"{source} holds no optimizer param_groups"
+    _rebase_param_groups(ordered, optim)
+    for index, group in enumerate(ordered):
+        flat.update({f"{PARAM_GROUPS_KEY}{index}.{name}": value for name, value in group.items()})
+    dcp.save(flat, checkpoint_id=destination, no_dist=True)
+    return ordered

@@ -1,8 +1,8 @@
 """Checkpoint upload to the run's storage (local or s3://), the one Ray Train calls through
 `report(checkpoint_upload_fn=...)`.
 
-Two things Ray's default copy does not: files go in a fixed order, state.pt before meta.json, so a
-directory with meta.json and a state.pt of the recorded size is complete (see checkpoint.py); and a
+Two things Ray's default copy does not: files go in the format's order, meta.json last, so a
+directory with meta.json and every file at its recorded size is complete (see format.py); and a
 transient storage error (a dropped connection, a throttled request, an endpoint restarting) is
 retried with backoff and logged, instead of failing the worker and costing a restart.
 """
@@ -53,8 +53,7 @@ def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPoli
     fs, destination = storage.filesystem(storage.join(run_dir, dir_name))
     local = pafs.LocalFileSystem()
     with_retries(lambda: fs.create_dir(destination, recursive=True), f"creating {destination}", policy)
-    names = sorted((p.name for p in Path(local_dir).iterdir()), key=lambda name: name == ckpt.META_FILE)
-    for name in names:
+    for name in ckpt.upload_order(p.name for p in Path(local_dir).iterdir()):
         source, target = str(Path(local_dir) / name), f"{destination}/{name}"
         with_retries(lambda: pafs.copy_files(source, target, source_filesystem=local, destination_filesystem=fs),
                      f"uploading {name} to {destination}", policy)

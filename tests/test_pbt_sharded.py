@@ -1,0 +1,90 @@
+"""Integration: a PBT sweep with parallel.strategy: fsdp on a local Ray cluster of 2 CPUs, through
+to an exploit: the exploited trial continues from the donor's sharded checkpoint, rebased onto its
+own hyperparameters. The same shape as the PBT test in test_tuning_ray.py, on digits (the smallest
+model fsdp takes: only the root is sharded), one worker per trial."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+from training.checkpoint import format as ckpt
+from training.models import build_model
+from tuning import config as sweep_config
+from tuning.sweep import run_sweep
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+DIGITS = REPO / "training" / "configs" / "digits.yaml"
+# PBT exploits only while both trials run, and only at a report at least perturbation_interval_steps
+# after the trial's last chance. A trial's pace is set by its reports (each checkpoint is copied for
+# Tune before the run goes on), its start by the cluster: at 120 steps on a loaded machine the poor
+# trial was done before Tune had the good one's first report. 13 reports (every 20 steps) leave
+# room for a late start; a chance every 40 steps halves the exploits (each one a new training run)
+# after the first; and none comes at the last step, 250, which would start a run with nothing to do.
+MAX_STEPS = 250
+INTERVAL_STEPS = 40
+SETS = ("train.eval_every_n_steps=20", "train.log_every_n_steps=20", "train.min_report_interval_s=0",
+        "tracking.experiment=sweeps", "failure.max_failures=1", "parallel.strategy=fsdp",
+        f"train.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=20", "checkpoint.keep=20",
+        "tracking.export_onnx=false")
+
+
+def _sweep_file(tmp_path):
+    # The poor trial starts first, so that the first exploit comes early (see test_tuning_ray.py).
+    lines = "\n".join(f"  - {s}" for s in SETS)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {DIGITS}\nset:\n{lines}\ntrial:\n  driver_cpus: 0.25\n"
+                    "  scaling: {num_workers: 1, cpus_per_worker: 0.5}\n"
+                    "space:\n  optim.lr: {grid: [0.00001, 0.03]}\n"
+                    f"scheduler: {{name: pbt, perturbation_interval_steps: {INTERVAL_STEPS}, quantile_fraction: 0.5, "
+                    "resample_probability: 1.0}\nnum_samples: 1\n")
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
+    import pyarrow.fs as pafs
+
+    summary = run_sweep(sweep_config.load(_sweep_file(workdir), name="pbt"))
+    assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
+
+    runs = workdir / "runs"
+    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < MAX_STEPS),
+                      key=lambda p: int(p.name.rsplit("-x", 1)[1]))
+    assert exploits, "PBT exploited no trial before the end"
+    seed_run = exploits[0]
+    step = int(seed_run.name.rsplit("-x", 1)[1])
+    seed = seed_run / "seed"
+    assert ckpt.has_sharded_layout(seed) and ckpt.is_complete(pafs.LocalFileSystem(), str(seed))
+    donors = [p / ckpt.checkpoint_dir_name(step) for p in runs.iterdir() if p.name.startswith("pbt-")
+              and not p.name.startswith(seed_run.name[:-len(f"-x{step}")])
+              and (p / ckpt.checkpoint_dir_name(step) / ckpt.META_FILE).is_file()]
+    assert donors, "no other trial's checkpoint at the exploit step"
+
+    # the seed holds the donor's weights, bit for bit, and the exploited trial's hyperparameters:
+    # those its new run was configured with
+    seed_state = torch.load(seed / ckpt.TRAIN_STATE_FILE, weights_only=True)
+    model_config = seed_state["config"]["model"]
+
+    def weights(directory):
+        model = build_model(model_config["name"], model_config["options"],
+                            {"task": "classification", "input_dim": 64, "num_classes": 10})
+        return ckpt.load_model_state(directory, model)
+
+    donor_weights, seed_weights = weights(donors[0]), weights(seed)
+    assert all(torch.equal(seed_weights[k], v) for k, v in donor_weights.items())
+    assert seed_state["loop"]["step"] == step
+    # the new run continued from it: its first checkpoint is after the donor's step, not from 0
+    own = sorted(seed_run.glob("checkpoint-*"))
+    assert own and ckpt.step_of(own[0].name) > step
+    own_config = torch.load(own[0] / ckpt.TRAIN_STATE_FILE, weights_only=True)["config"]
+    assert seed_state["config"]["optim"] == own_config["optim"]
+    assert seed_state["scheduler"]["base_lrs"] == [own_config["optim"]["lr"]]
+
+    # where the donor was, not back at chance
+    def accuracy(checkpoint):
+        return json.loads((checkpoint / ckpt.META_FILE).read_text())["metrics"]["val_accuracy"]
+
+    assert accuracy(own[0]) >= accuracy(donors[0]) - 0.05
