@@ -19,6 +19,7 @@ import pyarrow.fs as pafs
 
 from training.checkpoint import format as ckpt
 from training import storage
+from training.backoff import exponential_backoff_s
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class RetryPolicy:
     max_delay_s: float = 30.0
 
     def delay_s(self, failures: int) -> float:
-        return min(self.max_delay_s, self.first_delay_s * 2 ** (failures - 1))
+        return exponential_backoff_s(failures, self.first_delay_s, self.max_delay_s)
 
 
 def with_retries(action: Callable[[], None], what: str, policy: RetryPolicy = RetryPolicy(),

@@ -88,7 +88,11 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         raise
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
-    metrics = dict(result.metrics or {}) or _checkpoint_metrics(result.checkpoint)
+    metrics = dict(result.metrics or {})
+    if not metrics and result.checkpoint is not None:
+        from training.checkpoint.format import metrics_of
+
+        metrics = metrics_of(result.checkpoint.filesystem, result.checkpoint.path)
     summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(metrics.get("step", 0)),
                          metrics=metrics, wall_s=time.monotonic() - started, resumed=record is not None,
                          checkpoint_path=result.checkpoint.path if result.checkpoint else None,
@@ -99,14 +103,6 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     finalize(job, manifest, result, tracker, summary, log)
     tracker.finish("FINISHED")
     return summary
-
-
-def _checkpoint_metrics(checkpoint) -> dict:
-    """The step and metrics a checkpoint recorded (meta.json), or {} without one."""
-    from training.checkpoint.format import read_meta
-
-    meta = read_meta(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    return {**meta.get("metrics", {}), "step": meta["step"]} if meta else {}
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,
