@@ -1,5 +1,5 @@
-"""Checkpoint upload to the run's storage (local or s3://), the one Ray Train calls through
-`report(checkpoint_upload_fn=...)`.
+"""On the workers: the checkpoint upload to the run's storage (local or s3://) that Ray Train calls
+through `report(checkpoint_upload_fn=...)`.
 
 Two things Ray's default copy does not: files go in the format's order, meta.json last, so a
 directory with meta.json and every file at its recorded size is complete (see format.py); and a
@@ -17,9 +17,9 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
-from training.checkpoint import format as ckpt
 from training import storage
 from training.backoff import exponential_backoff_s
+from training.checkpoint import format as ckpt
 
 log = logging.getLogger(__name__)
 
