@@ -9,7 +9,7 @@ from training.checkpoint import format as ckpt
 from training.worker.seeding import step_seed
 from training.config import OptimConfig
 from training.errors import UserError
-from training.worker.loop import build_optimizer, lr_factor
+from training.worker.optim import build_optimizer, lr_factor
 from training.models import build_model, check_model_fits_task
 
 DIGITS = {"task": "classification", "input_dim": 64, "num_classes": 10}
@@ -150,7 +150,7 @@ def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypa
 
 def test_early_stopping_counts_evaluations_without_improvement():
     from training.config import JobConfig
-    from training.worker.loop import _update_early_stopping
+    from training.worker.evaluate import update_early_stopping as _update_early_stopping
 
     job = JobConfig.model_validate({"train": {"max_steps": 10, "early_stopping": {
         "metric": "val_accuracy", "mode": "max", "patience_evals": 2, "min_delta": 0.01}}})

@@ -1,4 +1,5 @@
-"""How the model is spread over the workers (the `parallel` section), and what the device can do.
+"""How the model is spread over the workers (the `parallel` section), and what the device can do:
+run on every worker (and in the benchmark's memory probe).
 
 ddp: Ray Train's `prepare_model` (DistributedDataParallel): a full replica per worker.
 fsdp: FSDP2, `torch.distributed.fsdp.fully_shard` applied to each transformer block, then to the
@@ -85,8 +86,16 @@ def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, compile
     return model
 
 
-def is_sharded(config: ParallelConfig) -> bool:
+def shards_parameters(config: ParallelConfig) -> bool:
+    """Each worker holds a shard of the parameters and optimizer state (FSDP), not a replica: every
+    worker writes and loads its part of a checkpoint, and evaluates in lockstep."""
     return config.strategy == "fsdp"
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a forward runs in for `train.precision`: bf16 autocast, or nothing (fp32)."""
+    wants_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if wants_bf16 else nullcontext()
 
 
 @contextmanager

@@ -1,0 +1,58 @@
+"""Where a worker group continues from, and loading it: run on every worker, at the start of the
+training function (a fresh run is a resume from step 0)."""
+
+from __future__ import annotations
+
+import ray.train
+import ray.train.collective
+import torch
+
+from training import storage
+from training.checkpoint import format as ckpt
+
+
+def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
+    """The checkpoint to continue from, the same on every worker: the newest complete one in the
+    run's directory, even if Ray Train has not registered it yet; else the one Ray Train reports;
+    else `initial_checkpoint` (a run seeded from another run's checkpoint); else none."""
+    choice = None
+    if ray.train.get_context().get_world_rank() == 0:
+        registered = ray.train.get_checkpoint()
+        registered_step = ckpt.step_of(registered.path) if registered is not None else None
+        fs, run_dir = storage.filesystem(loop_config["run_dir"])
+        newer = ckpt.newest_complete(fs, run_dir, newer_than=registered_step if registered_step is not None else -1)
+        if newer is not None and (registered is None or registered_step is not None):
+            choice = ("path", loop_config["run_dir"].rstrip("/") + "/" + newer[1].rsplit("/", 1)[-1])
+        elif registered is not None:
+            choice = ("registered", None)
+        elif loop_config.get("initial_checkpoint"):
+            choice = ("path", loop_config["initial_checkpoint"])
+    # One worker decides (an upload may complete between two workers' looks) and tells the others.
+    kind, uri = ray.train.collective.broadcast_from_rank_zero(choice) or (None, None)
+    if kind == "registered":
+        return ray.train.get_checkpoint()
+    if kind == "path":
+        fs, path = storage.filesystem(uri)
+        return ray.train.Checkpoint(path, filesystem=fs)
+    return None
+
+
+def resume(loop_config: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+           sharded: bool) -> ckpt.LoopState:
+    """Load the restore point, if any, into `model`, `optimizer` and `scheduler` (in place);
+    returns the loop state to continue from."""
+    checkpoint = restore_point(loop_config)
+    if checkpoint is None:
+        return ckpt.LoopState()
+    with checkpoint.as_directory() as directory:
+        if sharded:  # each worker reads its part, whatever the world size that wrote it
+            state = ckpt.load_sharded(directory, model, optimizer)
+        else:
+            state = ckpt.load(directory)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    context = ray.train.get_context()
+    if context.get_world_rank() == 0:
+        print(f"resumed from step {state['loop'].step} with {context.get_world_size()} workers ({checkpoint.path})")
+    return state["loop"]

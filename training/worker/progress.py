@@ -1,0 +1,84 @@
+"""The training metrics a worker reports: the loss and throughput of the window since the last
+report, summed across workers, and when this worker group started. Run on every worker."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from training.worker.evaluate import sum_across_workers
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """The window's sums over every worker, and rank 0's view of time and of a preemption."""
+
+    loss_sum: float
+    units: float
+    elapsed_s: float
+    final_save: bool
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the metrics say about the run beside the window, fixed for this worker group."""
+
+    global_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    world_size: int
+    start_step: int  # where this worker group took over (steps redone after a failure)
+    worker_start_s: float
+    seq_len: Optional[int] = None  # language models: tokens per sample
+    flops_per_token: Optional[float] = None
+    peak_flops_per_s: Optional[float] = None  # per device; None where the peak is not known
+
+
+class Progress:
+    def __init__(self, facts: RunFacts, rank: int, device: torch.device):
+        self.facts, self.rank, self.device = facts, rank, device
+        self.first_step_s: Optional[float] = None
+        self.next_window()
+
+    def next_window(self) -> None:
+        self.loss_sum = self.units = self.steps = 0.0
+        self.start_s = time.perf_counter()
+
+    def add(self, loss_sum: torch.Tensor, units: float) -> None:
+        self.loss_sum += loss_sum.detach()  # a tensor: no device sync per step
+        self.units += units
+
+    def step_done(self) -> None:
+        self.steps += 1
+        if self.first_step_s is None:
+            self.first_step_s = time.time()
+
+    def reduce(self, final_save_wanted: bool) -> WindowTotals:
+        """A collective. Rank 0's clock and its view of a preemption decide for all: they travel
+        in the all-reduce that sums the losses (every other rank adds zero)."""
+        elapsed_s = time.perf_counter() - self.start_s if self.rank == 0 else 0.0
+        loss_sum, units, elapsed_s, final_save = sum_across_workers(
+            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted)], self.device)
+        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0)
+
+    def metrics(self, step: int, totals: WindowTotals, lr: float) -> dict:
+        facts = self.facts
+        samples_per_s = self.steps * facts.global_batch_size / totals.elapsed_s
+        metrics = {"step": step, "epoch": step / facts.steps_per_epoch,
+                   "train_loss": totals.loss_sum / totals.units, "samples_per_s": samples_per_s,
+                   "lr": lr, "world_size": facts.world_size, "total_steps": facts.total_steps,
+                   # wall clock (rank 0) for throughput over any span, and when this worker group
+                   # started and finished its first step (cold start, recovery time)
+                   "wall_time": time.time(), "worker_start_time": facts.worker_start_s,
+                   "first_step_time": self.first_step_s, "start_step": facts.start_step}
+        if facts.seq_len is not None:
+            metrics["tokens_per_s"] = samples_per_s * facts.seq_len
+            if facts.flops_per_token and facts.peak_flops_per_s:  # model FLOPs utilisation (GPUs in the peak table)
+                peak = facts.peak_flops_per_s * facts.world_size
+                metrics["mfu"] = metrics["tokens_per_s"] * facts.flops_per_token / peak
+        if self.device.type == "cuda":
+            metrics["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return metrics
