@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import ray.train
 import torch
@@ -20,11 +19,6 @@ from ray.train import CheckpointUploadMode
 from training.checkpoint import format as ckpt
 from training.checkpoint.upload import upload_fn
 from training.config import JobConfig
-
-
-def _directory_bytes(directory: str | Path) -> int:
-    # Belongs in format.py (the format knows its files); here until that module takes it.
-    return sum(f.stat().st_size for f in Path(directory).iterdir())
 
 
 class CheckpointReporter:
@@ -48,16 +42,12 @@ class CheckpointReporter:
             return
         save_start = time.perf_counter()
         directory = tempfile.mkdtemp(prefix="ckpt-")  # outlives an asynchronous upload
-        saved = dict(scheduler_state=self.scheduler.state_dict(), loop=loop, config=self.config,
-                     steps_per_epoch=self.steps_per_epoch, world_size=self.world_size, metrics=metrics)
-        if self.sharded:
-            ckpt.save_sharded(directory, model=self.model, optimizer=self.optimizer, **saved)
-        else:
-            ckpt.save(directory, model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
-                      **saved)
+        ckpt.write(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                   sharded=self.sharded, loop=loop, config=self.config, steps_per_epoch=self.steps_per_epoch,
+                   world_size=self.world_size, metrics=metrics)
         asynchronous = self.asynchronous and not synchronous
         saved_s = time.perf_counter() - save_start
-        size = _directory_bytes(directory)
+        size = ckpt.written_bytes(directory)
         try:
             ray.train.report(
                 metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),

@@ -44,15 +44,9 @@ def resume(loop_config: dict, model: torch.nn.Module, optimizer: torch.optim.Opt
     checkpoint = restore_point(loop_config)
     if checkpoint is None:
         return ckpt.LoopState()
-    with checkpoint.as_directory() as directory:
-        if sharded:  # each worker reads its part, whatever the world size that wrote it
-            state = ckpt.load_sharded(directory, model, optimizer)
-        else:
-            state = ckpt.load(directory)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    with checkpoint.as_directory() as directory:  # sharded: each worker reads its part, at any world size
+        loop = ckpt.restore(directory, model, optimizer, scheduler, sharded=sharded)
     context = ray.train.get_context()
     if context.get_world_rank() == 0:
-        print(f"resumed from step {state['loop'].step} with {context.get_world_size()} workers ({checkpoint.path})")
-    return state["loop"]
+        print(f"resumed from step {loop.step} with {context.get_world_size()} workers ({checkpoint.path})")
+    return loop
