@@ -92,8 +92,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         due = policy.due(loop.step)
         if not due.any:
             continue  # no report at this step, and so no collective
-        totals = progress.reduce(final_save_wanted=rank == 0 and preemption is not None
-                                 and preemption.final_save_due(time.time()))
+        # Rank 0's clock decides for all (Progress.reduce), so every rank makes the same choice.
+        final_save_wanted = rank == 0 and preemption is not None and preemption.final_save_due(time.time())
+        totals = progress.reduce(final_save_wanted)
         if not policy.reports(due, totals.elapsed_s, totals.final_save):
             continue  # too soon after the last report: the window goes on
         # A node holding a worker is being drained for preemption: checkpoint now rather than at

@@ -38,6 +38,8 @@ class RunFacts:
 
 
 class Progress:
+    """This worker's window since the last report (loss, units, steps, time), and the metrics of a report."""
+
     def __init__(self, facts: RunFacts, rank: int, device: torch.device):
         self.facts, self.rank, self.device = facts, rank, device
         self.first_step_s: Optional[float] = None
