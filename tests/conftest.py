@@ -137,6 +137,16 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto_server (AWS on loopback) for every test that needs one: starting it costs seconds.
+    Each test works in buckets and resources of its own names."""
+    from aws import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh base directory: runs/, the data cache and mlflow.db live under it."""
