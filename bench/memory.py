@@ -21,40 +21,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, strategy: str, options: dict, seq_len: int, port: int, out_dir: str) -> None:
+def _held_bytes(strategy: str, options: dict, seq_len: int, rank: int) -> dict:
+    from training.config import ParallelConfig
+    from training.models.gpt import GPT, GPTOptions
+    from training.worker.parallel import local_bytes, wrap
+
+    torch.manual_seed(0)
+    model = GPT(256, seq_len, GPTOptions(**options))
+    device = torch.device("cpu")
+    if strategy == "ddp":  # Ray's prepare_model is DDP; built directly here, outside Ray Train
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(model)
+    else:
+        train_model = wrap(model, ParallelConfig(strategy="fsdp"), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    logits = train_model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+    optimizer.step()
+    return local_bytes(model, optimizer)
+
+
+def _worker(rank: int, strategies: tuple, options: dict, seq_len: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        from training.config import ParallelConfig
-        from training.models.gpt import GPT, GPTOptions
-        from training.worker.parallel import local_bytes, wrap
-
-        torch.manual_seed(0)
-        model = GPT(256, seq_len, GPTOptions(**options))
-        device = torch.device("cpu")
-        if strategy == "ddp":  # Ray's prepare_model is DDP; built directly here, outside Ray Train
-            from torch.nn.parallel import DistributedDataParallel
-
-            train_model = DistributedDataParallel(model)
-        else:
-            train_model = wrap(model, ParallelConfig(strategy="fsdp"), device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(rank))
-        logits = train_model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
-        optimizer.step()
-        torch.save(local_bytes(model, optimizer), os.path.join(out_dir, f"{strategy}-{rank}.pt"))
+    try:  # each strategy on a model and optimizer of its own, one after the other
+        for strategy in strategies:
+            torch.save(_held_bytes(strategy, options, seq_len, rank), os.path.join(out_dir, f"{strategy}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def measure(strategy: str, options: dict, seq_len: int) -> list[dict]:
-    """{param_bytes, optimizer_bytes} of each of the 2 workers."""
+def measure(strategies: tuple, options: dict, seq_len: int) -> dict[str, list[dict]]:
+    """{strategy: [{param_bytes, optimizer_bytes} of each of the 2 workers]}, every strategy measured
+    by the same 2 processes (starting them is most of the cost)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(strategy, options, seq_len, _free_port(), out_dir), nprocs=WORLD_SIZE,
+        mp.start_processes(_worker, args=(strategies, options, seq_len, _free_port(), out_dir), nprocs=WORLD_SIZE,
                            join=True, start_method="spawn")
-        return [torch.load(os.path.join(out_dir, f"{strategy}-{rank}.pt")) for rank in range(WORLD_SIZE)]
+        return {strategy: [torch.load(os.path.join(out_dir, f"{strategy}-{rank}.pt")) for rank in range(WORLD_SIZE)]
+                for strategy in strategies}
 
 
 def memory(quick: bool) -> dict:
@@ -62,8 +69,8 @@ def memory(quick: bool) -> dict:
     (ideal: 1/2). Quick: the tiny preset; else the small one (~19M parameters)."""
     preset, seq_len = ("tiny", 64) if quick else ("small", 128)
     row: dict = {"model": f"gpt preset {preset}", "workers": WORLD_SIZE}
-    for strategy in ("ddp", "fsdp"):
-        workers = measure(strategy, {"preset": preset}, seq_len)
+    measured = measure(("ddp", "fsdp"), {"preset": preset}, seq_len)
+    for strategy, workers in measured.items():
         row[f"{strategy}_bytes_per_worker"] = max(w["param_bytes"] + w["optimizer_bytes"] for w in workers)
         row[f"{strategy}_param_bytes_per_worker"] = max(w["param_bytes"] for w in workers)
     row["fsdp_vs_ddp_ratio"] = row["fsdp_bytes_per_worker"] / row["ddp_bytes_per_worker"]

@@ -25,10 +25,16 @@ TASKS = {
 }
 
 
+# Quick mode (a harness check): language-model rows on a small slice of the corpus, and no ONNX
+# export of the final model (after the measured window: it only costs wall time).
+QUICK_TINYLM_DATA = "data.options={seq_len: 32, max_bytes: 60000}"
+QUICK = ["tracking.export_onnx=false"]
+
+
 def _throughput_overrides(steps: int, workers: int, quick: bool = False) -> list[str]:
     # Evaluate and checkpoint only at the end, so that both sides do the same work per step. Quick
     # runs are too short for the default report interval: report every few steps instead.
-    cadence = [f"train.log_every_n_steps={max(2, steps // 6)}", "train.min_report_interval_s=0"] if quick else []
+    cadence = [f"train.log_every_n_steps={max(2, steps // 6)}", "train.min_report_interval_s=0", *QUICK] if quick else []
     return cadence + [f"train.max_steps={steps}", f"train.eval_every_n_steps={steps}", f"checkpoint.every_n_steps={steps}",
             f"scaling.num_workers={workers}", "scaling.cpus_per_worker=1", "train.torch_threads=1",
             "tracking.register_model=false"]
@@ -59,7 +65,8 @@ def overhead(quick: bool) -> dict:
         # weighs on both sides alike
         for side in (["service", "baseline"] + (["baseline", "service"] if repeats > 1 else [])):
             if side == "service":
-                job = service_job(config, _throughput_overrides(n, workers, quick),
+                data = [QUICK_TINYLM_DATA] if quick and task == "tinylm" else []
+                job = service_job(config, _throughput_overrides(n, workers, quick) + data,
                                   f"overhead-{task}-{workers}-{len(service)}")
                 summary, history = run_service(job)
                 service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
@@ -74,11 +81,13 @@ def overhead(quick: bool) -> dict:
     return row
 
 
-def cold_start(quick: bool) -> dict:
-    """Command -> first training step, in phases, for `python -m training` starting its own Ray."""
+def cold_start(quick: bool, address: str | None = None) -> dict:
+    """Command -> first training step, in phases, for `python -m training` starting its own Ray.
+    With `address` (quick mode) it joins that cluster instead: the same phases, with "Ray start"
+    the time to connect."""
     with tempfile.TemporaryDirectory() as base:
         # RAY_ADDRESS=local: start a new cluster even if another one runs on this machine.
-        env = {**os.environ, "RAY_ADDRESS": "local", "TRAINING_BASE_DIR": base}
+        env = {**os.environ, "RAY_ADDRESS": address or "local", "TRAINING_BASE_DIR": base}
         started = time.time()
         subprocess.run([sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "cold",
                         "--set", "train.max_steps=20", "--set", "tracking.enabled=false"],
@@ -92,7 +101,8 @@ def cold_start(quick: bool) -> dict:
 
 def checkpoint_cost(quick: bool) -> dict:
     """Step-time overhead of checkpointing (sync vs async upload) and write throughput vs the disk."""
-    model = "{n_layer: 4, n_head: 4, d_model: 256}"
+    # quick: the overhead row's tinylm model (a 5 MB checkpoint) on the small slice of the corpus
+    model = "{n_layer: 2, n_head: 4, d_model: 128}" if quick else "{n_layer: 4, n_head: 4, d_model: 256}"
     steps, every = (12, 4) if quick else (90, 15)
     warmup = steps // 3  # as in the overhead row: past the helper actors' start
     results = {}
@@ -103,7 +113,7 @@ def checkpoint_cost(quick: bool) -> dict:
         overrides = _throughput_overrides(steps, 2, quick) + [f"model.options={model}", f"train.eval_every_n_steps={every}",
                                                         f"checkpoint.every_n_steps={steps if mode == 'none' else every}",
                                                         f"checkpoint.upload={'sync' if mode == 'none' else mode}",
-                                                        "checkpoint.keep=1"]
+                                                        "checkpoint.keep=1"] + ([QUICK_TINYLM_DATA] if quick else [])
         job = service_job("tinylm.yaml", overrides, f"ckpt-{mode}")
         summary, history = run_service(job)
         results[mode] = {"samples_per_s": steady_samples_per_s(history, warmup, job.train.global_batch_size),

@@ -48,7 +48,7 @@ def sweep(quick: bool, seeds=None, samples=None, steps=None) -> dict:
     # A trial costs ~20 s here whatever its length (a Ray Train run starts ~8 processes), so a full
     # run is one seed of 6 trials (`python -m bench --wide-sweep`: 3 seeds of 8 trials of 240 steps).
     seeds = seeds or [0]
-    samples, steps = samples or (2 if quick else 6), steps or (16 if quick else 160)
+    samples, steps = samples or (1 if quick else 6), steps or (16 if quick else 160)
     target = 0.3 if quick else 0.95
     per_seed = []
     with tempfile.TemporaryDirectory() as base:

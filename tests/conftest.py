@@ -1,5 +1,8 @@
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +17,59 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 sys.path.insert(0, str(REPO / "tests"))  # plug-in examples under tests/plugins
 
+# Every Ray this test session starts (ray.init, `ray start`, ray.cluster_utils.Cluster, and the
+# commands the tests run, which inherit the variable) keeps its session files and its "current
+# cluster" address file in a directory of its own, under /tmp for short socket paths. A test then
+# never joins a cluster it did not start, such as one that someone else on this machine started with
+# `ray start` (whose address Ray records in /tmp/ray), and nobody else joins ours.
+SESSION_PREFIX = "raytests-"
+OWNER_FILE = "owner"
+
+
+def _process_start_ticks(pid: int):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _stop_what_dead_sessions_left() -> None:
+    """Kill the processes that an earlier session of this suite left behind (it was killed before
+    it could stop its Ray), found by the RAY_TMPDIR they inherited, and remove its directory.
+    Nothing else is touched: not Ray clusters that others on this machine run, nor live sessions."""
+    for directory in Path("/tmp").glob(f"{SESSION_PREFIX}*"):
+        try:
+            pid, ticks = (directory / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _process_start_ticks(int(pid)) == ticks:
+            continue  # that session is still running
+        marker = f"RAY_TMPDIR={directory}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                variables = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(v == marker or v.startswith(marker + b"/") for v in variables):
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except OSError:
+                    pass
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _private_ray_tmpdir() -> Path:
+    _stop_what_dead_sessions_left()
+    directory = Path(tempfile.mkdtemp(prefix=SESSION_PREFIX, dir="/tmp"))
+    (directory / OWNER_FILE).write_text(f"{os.getpid()} {_process_start_ticks(os.getpid())}")
+    return directory
+
+
+RAY_TMPDIR = _private_ray_tmpdir()
+os.environ["RAY_TMPDIR"] = str(RAY_TMPDIR)
+
 
 @pytest.fixture(autouse=True)
 def _tracking_uri_unchanged():
@@ -27,19 +83,68 @@ def _tracking_uri_unchanged():
         os.environ["MLFLOW_TRACKING_URI"] = before
 
 
-@pytest.fixture(scope="module")
+_shared = {"up": False}
+
+
+def _stop_shared_cluster() -> None:
+    if _shared["up"]:
+        import ray
+
+        ray.shutdown()
+        _shared["up"] = False
+
+
+@pytest.fixture
 def ray_cluster():
-    """One local Ray cluster per test module (starting one costs 5-20 s)."""
+    """The local Ray cluster of 2 CPUs that the tests asking for it share (starting one costs 5-20 s).
+    Started by the first such test; stopped before a Ray test that starts its own Ray, and at the
+    end (see pytest_collection_modifyitems and pytest_runtest_teardown below)."""
     import ray
 
-    from training.run.session import live_local_cluster
+    if not (_shared["up"] and ray.is_initialized()):
+        from training.run.session import live_local_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
-    ray.init(address="local", num_cpus=2, log_to_driver=True)
+        if ray.is_initialized():
+            ray.shutdown()
+        live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
+        ray.init(address="local", num_cpus=2, log_to_driver=True)
+        _shared["up"] = True
     yield ray
-    ray.shutdown()
+
+
+def _uses_shared_cluster(item) -> bool:
+    return "ray_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with a test on the shared cluster run last, in their usual order, so that the shared
+    cluster starts once. Tests keep their order within a module (module fixtures stay shared)."""
+    modules = list(dict.fromkeys(item.module.__name__ for item in items))
+    shared = {item.module.__name__ for item in items if _uses_shared_cluster(item)}
+    rank = {name: (name in shared, index) for index, name in enumerate(modules)}
+    items.sort(key=lambda item: rank[item.module.__name__])
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # A Ray test that brings its own cluster (a private multi-node one, a `ray start` head, a command
+    # that starts Ray) must find none running here.
+    if nextitem is not None and nextitem.get_closest_marker("ray") and not _uses_shared_cluster(nextitem):
+        _stop_shared_cluster()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stop_shared_cluster()
+    shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto_server (AWS on loopback) for every test that needs one: starting it costs seconds.
+    Each test works in buckets and resources of its own names."""
+    from aws import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -63,7 +168,7 @@ def wait_for(condition, timeout_s: float, what: str):
 
 
 @contextmanager
-def private_cluster(ray_tmpdir, worker_nodes: int, dashboard: bool = False, log_to_driver: bool = False):
+def private_cluster(worker_nodes: int, dashboard: bool = False, log_to_driver: bool = False):
     """A head and `worker_nodes` nodes of 1 CPU (ray.cluster_utils.Cluster), connected, with Ray's
     temp dir (and its "current cluster" file) kept private so that nothing else joins it, or waits
     on it once it is gone. `dashboard`: serve the state API (Ray Train's placement-group cleaner)."""
@@ -71,7 +176,8 @@ def private_cluster(ray_tmpdir, worker_nodes: int, dashboard: bool = False, log_
     from ray.cluster_utils import Cluster
 
     old_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(ray_tmpdir)
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="c", dir=RAY_TMPDIR)
+    _stop_shared_cluster()
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": dashboard})

@@ -5,24 +5,10 @@ import sys
 
 import pytest
 
+from cli_probe import run_cases
 from conftest import REPO
 
-PROBE = """
-import sys
-from training.run.cli import main
-code = main(sys.argv[1:])
-assert "ray" not in sys.modules, "Ray was imported on a bad-input path"
-sys.exit(code)
-"""
-
-
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd,
-                          env={"PATH": "/usr/bin:/bin", "TRAINING_BASE_DIR": str(cwd),
-                               "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=120)
-
-
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--set", "optim.lr=-1"], "optim.lr: Input should be greater than 0"),
     (["--set", "train.precsion=bf16"], "train.precsion: unknown key"),
     (["missing.yaml"], "config file missing.yaml does not exist"),
@@ -33,33 +19,52 @@ def run_cli(*args, cwd):
     (["--set", "train.global_batch_size=5000"], "train.global_batch_size 5000 is larger than the"),
     (["--set", "checkpoint.storage_path=/proc/nope"], "checkpoint.storage_path /proc/nope is not writable"),
     (["--name", "bad name!"], "name: String should match pattern"),
-])
-def test_bad_input_exits_2_before_ray(tmp_path, args, message):
-    result = run_cli(*args, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr + result.stdout
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == []  # nothing written: no data, no runs, no mlflow.db
+]
 
 
-def test_resuming_with_a_different_model_is_refused(tmp_path):
-    run_dir = tmp_path / "runs" / "r1"
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_exits_2_before_ray(bad_input, args, message):
+    result, cwd = bad_input[tuple(args)]
+    assert result["returncode"] == 2, result["stderr"] + result["stdout"]
+    assert message in result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    assert not result["ray_imported"], "Ray was imported on a bad-input path"
+    assert list(cwd.iterdir()) == []  # nothing written: no data, no runs, no mlflow.db
+
+
+RESUME_ARGS = ("--name", "r1")
+HELP_ARGS = ("--help",)
+
+
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory):
+    """Every case of this module through `training.run.cli.main` (the bad inputs, a resume of a
+    different run, --help), in one process: {args: (result, its working directory)}."""
+    cases = {}
+    for args in [tuple(a) for a, _ in BAD_INPUT] + [RESUME_ARGS, HELP_ARGS]:
+        cases[args] = tmp_path_factory.mktemp("cli")
+    run_dir = cases[RESUME_ARGS] / "runs" / "r1"  # a run of that name exists, with another identity
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text('{"identity": {"seed": 5}, "mlflow_run_id": null}')
-    result = run_cli("--name", "r1", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "run 'r1' already exists with a different seed" in result.stderr
+    results = run_cases("training.run.cli", [{"args": list(args), "cwd": str(cwd)} for args, cwd in cases.items()])
+    return {args: (result, cwd) for (args, cwd), result in zip(cases.items(), results)}
 
 
-def test_help_documents_the_command():
-    result = subprocess.run([sys.executable, "-m", "training", "--help"], capture_output=True, text=True,
-                            cwd=REPO, timeout=60)
-    assert result.returncode == 0
+def test_resuming_with_a_different_model_is_refused(bad_input):
+    result, _ = bad_input[RESUME_ARGS]
+    assert result["returncode"] == 2
+    assert "run 'r1' already exists with a different seed" in result["stderr"]
+    assert not result["ray_imported"]
+
+
+def test_help_documents_the_command(bad_input):
+    result, _ = bad_input[HELP_ARGS]
+    assert result["returncode"] == 0
     for text in ("--set KEY=VALUE", "--name", "RAY_ADDRESS", "exit codes", "MLFLOW_TRACKING_URI"):
-        assert text in result.stdout
+        assert text in result["stdout"]
 
 
-def test_print_config_shows_the_resolved_config():
+def test_print_config_shows_the_resolved_config():  # and `python -m training` is the command
     result = subprocess.run([sys.executable, "-m", "training", "training/configs/tinylm.yaml", "--print-config",
                              "--set", "optim.lr=0.01"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 0 and "lr: 0.01" in result.stdout and "source: tinylm" in result.stdout

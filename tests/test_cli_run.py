@@ -1,6 +1,7 @@
 """`python -m training` end to end as a user runs it: own plug-ins in the working directory, a local
 Ray started and stopped by the command, exit codes 0 and 1."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,8 @@ PLUGIN_CONFIG = {
 
 def cli(*args, cwd, timeout=400):
     env = {"PATH": f"{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "HOME": str(cwd),
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+           "RAY_TMPDIR": os.environ["RAY_TMPDIR"]}  # this session's own (conftest): joins no other Ray
     return subprocess.run([sys.executable, "-m", "training", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)
 

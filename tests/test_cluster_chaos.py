@@ -72,9 +72,9 @@ def test_choice_is_random_but_seeded():
 # ---------------------------------------------------------------- the command on a real local cluster
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """Head + two worker nodes."""
-    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=2) as (local, nodes):
+    with private_cluster(worker_nodes=2) as (local, nodes):
         yield local, nodes
 
 

@@ -11,7 +11,7 @@ import boto3
 import pytest
 import yaml
 
-from aws import moto_server, s3_env
+from aws import s3_env
 from cluster.aws_checks import quota_decision, required_vcpus
 from cluster.aws_facts import has_aws_credentials
 from cluster.checks import Status
@@ -25,26 +25,26 @@ REGION = "us-west-2"
 
 
 @pytest.fixture(scope="module")
-def aws():
+def aws(moto_endpoint):
     """moto_server with what cluster.yaml names: an AMI, both instance profiles, the bucket, and
     the security group pre-created with SSH from one CIDR only."""
-    with moto_server() as endpoint:
-        env = {**s3_env(endpoint), "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
-        session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
-        clients = {name: session.client(name, endpoint_url=endpoint) for name in ("ec2", "iam", "s3")}
-        ec2 = clients["ec2"]
-        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-        for name in ("raytrain-head", "raytrain-worker"):
-            clients["iam"].create_instance_profile(InstanceProfileName=name)
-        clients["s3"].create_bucket(Bucket="my-raytrain-runs", CreateBucketConfiguration={"LocationConstraint": REGION})
-        group = ec2.create_security_group(GroupName="raytrain-sg", Description="raytrain")["GroupId"]
-        ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[
-            {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": "198.18.7.0/24"}]},
-            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]}])
-        open_group = ec2.create_security_group(GroupName="raytrain-open-sg", Description="open")["GroupId"]
-        ec2.authorize_security_group_ingress(GroupId=open_group, IpPermissions=[
-            {"IpProtocol": "tcp", "FromPort": 8265, "ToPort": 8265, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}])
-        yield {"env": env, "image": image, "endpoint": endpoint}
+    endpoint = moto_endpoint
+    env = {**s3_env(endpoint), "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
+    session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
+    clients = {name: session.client(name, endpoint_url=endpoint) for name in ("ec2", "iam", "s3")}
+    ec2 = clients["ec2"]
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    for name in ("raytrain-head", "raytrain-worker"):
+        clients["iam"].create_instance_profile(InstanceProfileName=name)
+    clients["s3"].create_bucket(Bucket="my-raytrain-runs", CreateBucketConfiguration={"LocationConstraint": REGION})
+    group = ec2.create_security_group(GroupName="raytrain-sg", Description="raytrain")["GroupId"]
+    ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[
+        {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": "198.18.7.0/24"}]},
+        {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]}])
+    open_group = ec2.create_security_group(GroupName="raytrain-open-sg", Description="open")["GroupId"]
+    ec2.authorize_security_group_ingress(GroupId=open_group, IpPermissions=[
+        {"IpProtocol": "tcp", "FromPort": 8265, "ToPort": 8265, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}])
+    yield {"env": env, "image": image, "endpoint": endpoint}
 
 
 def variant(tmp_path, aws, mutate=lambda c: None):

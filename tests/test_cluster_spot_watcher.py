@@ -253,9 +253,9 @@ def test_watcher_retries_a_failed_drain_on_the_next_poll(imds):
 # ---------------------------------------------------------------- the command on a real two-node Ray cluster
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     """Head + one worker node."""
-    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=1) as (cluster, (worker,)):
+    with private_cluster(worker_nodes=1) as (cluster, (worker,)):
         yield cluster, worker
 
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from aws import moto_server, s3_env
+from aws import s3_env
 from training.config import DataConfig
 from training.data.loader import BatchPlan, SplitReader, TrainShard, epoch_order, validation_part
 from training.data.prepare import MANIFEST, Manifest, prepare
@@ -136,22 +136,22 @@ def test_validation_is_split_across_workers(tmp_path):
     assert sum(len(p) for p in parts) == manifest.rows("validation")
 
 
-def test_data_on_s3_through_pyarrow(monkeypatch):
-    with moto_server() as endpoint:
-        for key, value in s3_env(endpoint).items():
-            monkeypatch.setenv(key, value)
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="train-data")
-        manifest = prepare(DataConfig(source="digits"), "s3://train-data/cache", log=quiet)
-        assert manifest.root.startswith("s3://train-data/cache/digits-")
-        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=endpoint).list_objects_v2(
-            Bucket="train-data")["Contents"]]
-        assert any(k.endswith(MANIFEST) for k in keys) and sum(k.endswith(".parquet") for k in keys) == 8
-        loaded = Manifest.load(manifest.root)
-        assert loaded == manifest
-        assert SplitReader(loaded, "train").take(np.arange(3))["x"].shape == (3, 64)
-        lines = []
-        prepare(DataConfig(source="digits"), "s3://train-data/cache", log=lines.append)
-        assert "cached" in lines[0]
+def test_data_on_s3_through_pyarrow(monkeypatch, moto_endpoint):
+    endpoint = moto_endpoint
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="train-data")
+    manifest = prepare(DataConfig(source="digits"), "s3://train-data/cache", log=quiet)
+    assert manifest.root.startswith("s3://train-data/cache/digits-")
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=endpoint).list_objects_v2(
+        Bucket="train-data")["Contents"]]
+    assert any(k.endswith(MANIFEST) for k in keys) and sum(k.endswith(".parquet") for k in keys) == 8
+    loaded = Manifest.load(manifest.root)
+    assert loaded == manifest
+    assert SplitReader(loaded, "train").take(np.arange(3))["x"].shape == (3, 64)
+    lines = []
+    prepare(DataConfig(source="digits"), "s3://train-data/cache", log=lines.append)
+    assert "cached" in lines[0]
 
 
 def test_plugin_source_rejects_wrong_shapes(tmp_path):

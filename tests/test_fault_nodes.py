@@ -20,8 +20,8 @@ COMMON = ["train.global_batch_size=32", "train.log_every_n_steps=10", "train.min
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with private_cluster(tmp_path_factory.mktemp("ray"), worker_nodes=1, dashboard=True,
+def cluster():
+    with private_cluster(worker_nodes=1, dashboard=True,
                          log_to_driver=True) as (cluster, _):
         yield cluster
 

@@ -2,12 +2,12 @@
 decisions (how many trials at once, which run a restarted trial runs, PBT's rebased seed)."""
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from cli_probe import run_cases
 from conftest import REPO
 from training.checkpoint import format as ckpt
 from training.config import OptimConfig
@@ -15,26 +15,11 @@ from tuning import config as sweep_config
 from tuning import exploit
 from tuning.resources import TrialResources, concurrency
 
-PROBE = """
-import sys
-from tuning.cli import main
-code = main(sys.argv[1:])
-assert "ray" not in sys.modules, "Ray was imported on a bad-input path"
-sys.exit(code)
-"""
 DIGITS = REPO / "training" / "configs" / "digits.yaml"
-
-
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd,
-                          env={"PATH": "/usr/bin:/bin", "TRAINING_BASE_DIR": str(cwd),
-                               "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=120)
-
-
 GOOD = f"base: {DIGITS}\nspace:\n  optim.lr: {{loguniform: [1.0e-4, 1.0e-2]}}\n"
 
 
-@pytest.mark.parametrize("body, args, message", [
+BAD_SWEEPS = [
     (GOOD.replace("loguniform", "logunifrom"), [],
      "space.optim.lr.logunifrom: unknown key; allowed: choice, grid, loguniform, randint, uniform"),
     (GOOD.replace("optim.lr", "optim.lrr"), [], "space.optim.lrr: the value 0.0001 makes an invalid job config: "
@@ -55,14 +40,32 @@ GOOD = f"base: {DIGITS}\nspace:\n  optim.lr: {{loguniform: [1.0e-4, 1.0e-2]}}\n"
     (GOOD.replace(str(DIGITS), "missing.yaml"), [], "base: job config missing.yaml does not exist"),
     (GOOD, ["--set", "trial.scaling={num_workers: 0}"], "trial.scaling.num_workers: must be a positive int"),
     (GOOD, ["--name", "bad name!"], "name: 'bad name!' must start with a letter or digit"),
-])
-def test_bad_sweep_files_exit_2_before_ray(tmp_path, body, args, message):
-    (tmp_path / "sweep.yaml").write_text(body)
-    result = run_cli(str(tmp_path / "sweep.yaml"), *args, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr + result.stdout
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert [p.name for p in tmp_path.iterdir()] == ["sweep.yaml"]  # nothing written
+]
+
+
+@pytest.fixture(scope="module")
+def bad_sweeps(tmp_path_factory):
+    """Every case of BAD_SWEEPS through `tuning.cli.main`, in one process, each with its sweep file in
+    a directory of its own: [(result, directory)] in the order of BAD_SWEEPS."""
+    cases = []
+    for body, args, _ in BAD_SWEEPS:
+        directory = tmp_path_factory.mktemp("sweep")
+        (directory / "sweep.yaml").write_text(body)
+        cases.append({"args": [str(directory / "sweep.yaml"), *args], "cwd": str(directory)})
+    results = run_cases("tuning.cli", cases)
+    return [(result, Path(case["cwd"])) for result, case in zip(results, cases)]
+
+
+@pytest.mark.parametrize("index", range(len(BAD_SWEEPS)),
+                         ids=[message[:60] for _, _, message in BAD_SWEEPS])
+def test_bad_sweep_files_exit_2_before_ray(bad_sweeps, index):
+    message = BAD_SWEEPS[index][2]
+    result, directory = bad_sweeps[index]
+    assert result["returncode"] == 2, result["stderr"] + result["stdout"]
+    assert message in result["stderr"]
+    assert "Traceback" not in result["stderr"]
+    assert not result["ray_imported"], "Ray was imported on a bad-input path"
+    assert [p.name for p in directory.iterdir()] == ["sweep.yaml"]  # nothing written
 
 
 def test_the_shipped_sweeps_are_valid():
