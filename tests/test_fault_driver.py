@@ -2,6 +2,7 @@
 name resumes from the latest checkpoint and continues the same MLflow run, each step logged once."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,8 +39,10 @@ def kill_everything_started_under(base):
             pass
 
 
-def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
+def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
     import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
+
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
 
     log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen(COMMAND, cwd=tmp_path, env=environment(tmp_path), stdout=log, stderr=subprocess.STDOUT,

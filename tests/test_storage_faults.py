@@ -4,6 +4,7 @@ endpoint is back; storage that cannot be reached fails the command before anythi
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -110,7 +111,8 @@ def test_unreachable_storage_fails_fast_with_exit_2_and_nothing_started(tmp_path
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_run(tmp_path, monkeypatch, moto_endpoint):
+def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_run(tmp_path, monkeypatch, moto_endpoint,
+                                                                                 empty_mlflow_db):
     """A run on S3 storage, resumed twice by its name: the second time continues it from its S3
     checkpoints in the same MLflow run; the third finds nothing left to train and ends with its last
     checkpoint's step and metrics."""
@@ -119,6 +121,7 @@ def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_r
 
     from training.run.driver import run_training
 
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("TRAINING_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     endpoint = moto_endpoint
