@@ -193,7 +193,12 @@ def private_cluster(worker_nodes: int, dashboard: bool = False, log_to_driver: b
     _stop_shared_cluster()
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": dashboard})
+    head = {"num_cpus": 1, "include_dashboard": dashboard}
+    if dashboard:  # a port of its own: 8265 may be another Ray's on this machine (Cluster does not move on)
+        from aws import free_port
+
+        head["dashboard_port"] = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=1) for _ in range(worker_nodes)]
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=log_to_driver)
     try:
