@@ -21,12 +21,15 @@ BIN = os.path.dirname(sys.executable)
 
 @pytest.fixture(scope="module")
 def head():
-    port, dashboard_port = free_port(), free_port()
+    # Every port of its own: the defaults (the job agent's 52365 among them) may be another Ray's on
+    # this machine, and an agent that cannot bind leaves the head unable to take jobs.
+    port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
     process = subprocess.Popen(
         [f"{BIN}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard_port}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent_port}", "--num-cpus=2",
+         "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     deadline = time.monotonic() + 120
