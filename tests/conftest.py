@@ -147,9 +147,22 @@ def moto_endpoint():
         yield endpoint
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory):
+    """An MLflow sqlite store with its tables made and nothing in them. A new store runs MLflow's
+    schema migrations (3-9 s here); a copy of this one is current at once. Copied where a test's
+    runs would otherwise create their store."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """A fresh base directory: runs/, the data cache and mlflow.db live under it."""
+def workdir(tmp_path, monkeypatch, empty_mlflow_db):
+    """A fresh base directory: runs/, the data cache and mlflow.db (an empty store) live under it."""
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("TRAINING_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -180,7 +193,12 @@ def private_cluster(worker_nodes: int, dashboard: bool = False, log_to_driver: b
     _stop_shared_cluster()
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": dashboard})
+    head = {"num_cpus": 1, "include_dashboard": dashboard}
+    if dashboard:  # a port of its own: 8265 may be another Ray's on this machine (Cluster does not move on)
+        from aws import free_port
+
+        head["dashboard_port"] = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=1) for _ in range(worker_nodes)]
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=log_to_driver)
     try:

@@ -17,7 +17,7 @@ from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 
-OVERRIDES = ["train.max_steps=2000", "train.global_batch_size=32", "checkpoint.every_n_steps=100",
+OVERRIDES = ["train.max_steps=1200", "train.global_batch_size=32", "checkpoint.every_n_steps=100",
              "train.eval_every_n_steps=100", "train.log_every_n_steps=10", "train.min_report_interval_s=0",
              "failure.max_failures=6", "tracking.enabled=false", "checkpoint.keep=1"]
 
@@ -43,7 +43,7 @@ def test_killed_workers_resume_to_bit_identical_weights(ray_cluster, workdir):
 
     def chaos():
         deadline = time.monotonic() + 240
-        while len(kills) < 3 and time.monotonic() < deadline:
+        while len(kills) < 2 and time.monotonic() < deadline:  # two kills: the group restarts twice
             if not list((workdir / "runs" / "chaos").glob("checkpoint-*")):
                 time.sleep(0.2)  # let a first checkpoint exist, then kill at random moments
                 continue
@@ -64,7 +64,7 @@ def test_killed_workers_resume_to_bit_identical_weights(ray_cluster, workdir):
     killer.join(timeout=5)
 
     assert len(kills) >= 2, "the chaos thread did not get to kill workers"
-    assert chaotic.steps == clean.steps == 2000
+    assert chaotic.steps == clean.steps == 1200
     expected, actual = final_weights(workdir / "runs" / "clean"), final_weights(workdir / "runs" / "chaos")
     assert expected.keys() == actual.keys()
     for name in expected:

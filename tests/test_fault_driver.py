@@ -2,6 +2,7 @@
 name resumes from the latest checkpoint and continues the same MLflow run, each step logged once."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from conftest import CONFIGS
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 
 COMMAND = [sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "laptop",
-           "--set", "train.max_steps=3000", "--set", "checkpoint.every_n_steps=100",
+           "--set", "train.max_steps=1500", "--set", "checkpoint.every_n_steps=100",
            "--set", "train.eval_every_n_steps=500", "--set", "train.global_batch_size=32",
            "--set", "scaling.num_workers=1", "--set", "tracking.register_model=false"]
 
@@ -38,8 +39,10 @@ def kill_everything_started_under(base):
             pass
 
 
-def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
+def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
     import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
+
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
 
     log = open(tmp_path / "first.log", "w")
     first = subprocess.Popen(COMMAND, cwd=tmp_path, env=environment(tmp_path), stdout=log, stderr=subprocess.STDOUT,
@@ -47,9 +50,9 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
     run_dir = tmp_path / "runs" / "laptop"
     deadline = time.monotonic() + 300
     try:
-        while not (run_dir / "checkpoint-00001000" / "meta.json").exists():
+        while not (run_dir / "checkpoint-00000500" / "meta.json").exists():
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 1000"
+            assert time.monotonic() < deadline, "no checkpoint at step 500"
             time.sleep(0.2)
         os.killpg(first.pid, signal.SIGKILL)  # the driver and everything in its session, at once
         first.wait(timeout=30)
@@ -61,7 +64,7 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
                             timeout=600)
     output = second.stdout + second.stderr
     assert second.returncode == 0, output[-4000:]
-    assert "run laptop: resuming" in output and "run laptop finished: 3000 steps" in output
+    assert "run laptop: resuming" in output and "run laptop finished: 1500 steps" in output
     resumed = [line for line in output.splitlines() if "resumed from step" in line]
     assert resumed and int(resumed[0].split("resumed from step ")[1].split()[0]) >= killed_at
 
@@ -72,4 +75,4 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
     assert run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == sorted(set(steps)), "a step logged twice"  # continuing by step
-    assert steps[0] <= 200 and steps[-1] == 3000
+    assert steps[0] <= 200 and steps[-1] == 1500

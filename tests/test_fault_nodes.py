@@ -32,6 +32,9 @@ def ensure_two_nodes(cluster):
     if len([n for n in ray.nodes() if n["Alive"]]) < 2:
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
+    # and both CPUs free: what the last test's run held is given back a little after it ends (seen on a
+    # loaded machine: an elastic run started here with 1 worker, and never had one on the drained node)
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2, 120, "both nodes' CPUs free")
 
 
 def checkpoints(run_dir):

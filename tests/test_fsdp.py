@@ -236,12 +236,14 @@ def _history(workdir, run_id, key="train_loss"):
 
 
 def _full_state_at(checkpoint_dir, workers: int, out) -> None:
-    """Load a sharded checkpoint into an FSDP-sharded model on `workers` Ray Train workers, then
-    write the model's full state as the workers hold it (gathered from their shards)."""
+    """Load a sharded checkpoint into an FSDP-sharded model on `workers` workers, then write the
+    model's full state as the workers hold it (gathered from their shards). 2 workers: Ray Train
+    workers; 1: this process in a gloo group of its own (the same load at world size 1, without
+    starting a worker group)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    def load_and_gather(config):
+    def load_and_gather(config, rank=None):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from training.config import ParallelConfig
@@ -254,11 +256,26 @@ def _full_state_at(checkpoint_dir, workers: int, out) -> None:
         optimizer = torch.optim.AdamW(model.parameters())
         state = ckpt.load_sharded(config["dir"], model, optimizer)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if ray.train.get_context().get_world_rank() == 0:
+        if (ray.train.get_context().get_world_rank() if rank is None else rank) == 0:
             torch.save({"model": full, "step": state["loop"].step,
                         "optimizer_steps": [int(s["step"]) for s in optimizer.state.values()]}, config["out"])
 
-    TorchTrainer(load_and_gather, train_loop_config={"dir": str(checkpoint_dir), "out": str(out)},
+    config = {"dir": str(checkpoint_dir), "out": str(out)}
+    if workers == 1:
+        import socket
+
+        import torch.distributed as dist
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            load_and_gather(config, rank=0)
+        finally:
+            dist.destroy_process_group()
+        return
+    TorchTrainer(load_and_gather, train_loop_config=config,
                  scaling_config=ray.train.ScalingConfig(num_workers=workers),
                  run_config=ray.train.RunConfig(name=f"gather-{workers}", storage_path=str(out.parent / "ray"))).fit()
 

@@ -3,6 +3,7 @@ local head with token authentication on, exactly as a user submits from a laptop
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +21,15 @@ BIN = os.path.dirname(sys.executable)
 
 @pytest.fixture(scope="module")
 def head():
-    port, dashboard_port = free_port(), free_port()
+    # Every port of its own: the defaults (the job agent's 52365 among them) may be another Ray's on
+    # this machine, and an agent that cannot bind leaves the head unable to take jobs.
+    port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
     process = subprocess.Popen(
         [f"{BIN}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard_port}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent_port}", "--num-cpus=2",
+         "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     deadline = time.monotonic() + 120
@@ -48,8 +52,9 @@ def head():
     live_local_cluster()
 
 
-def test_job_submit_runs_training_on_the_cluster(head, tmp_path):
+def test_job_submit_runs_training_on_the_cluster(head, tmp_path, empty_mlflow_db):
     address, env, _ = head
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     client_env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     refused = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=client_env,
                              capture_output=True, text=True, timeout=120)
@@ -103,11 +108,12 @@ def launcher_config(path):
     path.write_text(yaml.safe_dump(config))
 
 
-def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_path):
+def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_path, empty_mlflow_db):
     """Two trials (suggested by Optuna's TPE) of 1.25 CPUs on a head of 2: one fits now, but the
     launcher config says the cluster grows to 4 CPUs, so both start and the second one's workers
     wait as demand the autoscaler reports (`ray status`), until the first trial gives its CPU back."""
     address, env, port = head
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     (tmp_path / "sweep.yaml").write_text(SWEEP)
     launcher_config(tmp_path / "launcher.yaml")
     runtime_env = {"env_vars": {"TRAINING_BASE_DIR": str(tmp_path),

@@ -1,9 +1,10 @@
-"""Checkpoints on S3 (moto_server on loopback): a training run writes and resumes from them; an
-upload that meets a storage outage retries with backoff until the endpoint is back; storage that
-cannot be reached fails the command before anything starts."""
+"""Checkpoints on S3 (moto_server on loopback): a training run writes and resumes from them (by its
+name, in the same MLflow run); an upload that meets a storage outage retries with backoff until the
+endpoint is back; storage that cannot be reached fails the command before anything starts."""
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -12,8 +13,8 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from aws import free_port, moto_server, s3_env
-from conftest import CONFIGS
+from aws import free_port, s3_env
+from conftest import CONFIGS, wait_for
 from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training.checkpoint.upload import RetryPolicy, upload, with_retries
@@ -51,7 +52,9 @@ def test_an_upload_retries_through_a_storage_outage(tmp_path, monkeypatch, caplo
     caplog.set_level(logging.WARNING, logger="training.checkpoint.upload")
     uploader = threading.Thread(target=target)
     uploader.start()  # nothing listens on the endpoint yet
-    time.sleep(14)  # longer than pyarrow's own retries (about 6 s per request)
+    # past pyarrow's own retries (about 6 s per request), into ours: the first of them is logged
+    wait_for(lambda: any("retry 1 of 7" in record.getMessage() for record in caplog.records), 120,
+             "the upload's first retry")
     server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
                                "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -108,30 +111,50 @@ def test_unreachable_storage_fails_fast_with_exit_2_and_nothing_started(tmp_path
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_training_checkpoints_to_s3_and_resumes_from_them(tmp_path, monkeypatch):
+def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_run(tmp_path, monkeypatch, moto_endpoint,
+                                                                                 empty_mlflow_db):
+    """A run on S3 storage, resumed twice by its name: the second time continues it from its S3
+    checkpoints in the same MLflow run; the third finds nothing left to train and ends with its last
+    checkpoint's step and metrics."""
     import ray
+    from mlflow.tracking import MlflowClient
 
     from training.run.driver import run_training
 
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("TRAINING_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with moto_server() as endpoint:
-        for key, value in s3_env(endpoint).items():
-            monkeypatch.setenv(key, value)
-        create_bucket(endpoint, "ckpts")
-        if ray.is_initialized():
-            ray.shutdown()
-        ray.init(address="local", num_cpus=2)  # started here, so its workers see the endpoint
-        try:
-            overrides = ["checkpoint.storage_path=s3://ckpts/runs", "train.eval_every_n_steps=20",
-                         "checkpoint.every_n_steps=20", "scaling.num_workers=1", "tracking.register_model=false"]
-            first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="s3run"))
-            second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=60"], name="s3run"))
-        finally:
-            ray.shutdown()
-        assert first.steps == 40 and second.steps == 60 and second.resumed
-        fs, _ = pafs.FileSystem.from_uri("s3://ckpts/runs")
-        names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("ckpts/runs/s3run"))}
-        assert {"run.json", "checkpoint-00000060"} <= names
-        assert ckpt.is_complete(fs, "ckpts/runs/s3run/checkpoint-00000060")
-        assert ckpt.newest_complete(fs, "ckpts/runs/s3run")[0] == 60
+    endpoint = moto_endpoint
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    create_bucket(endpoint, "ckpts")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2)  # started here, so its workers see the endpoint
+    try:
+        overrides = ["checkpoint.storage_path=s3://ckpts/runs", "train.eval_every_n_steps=20",
+                     "checkpoint.every_n_steps=20", "train.log_every_n_steps=5", "train.min_report_interval_s=0",
+                     "scaling.num_workers=1", "tracking.register_model=false"]
+        first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="again"))
+        assert first.steps == 40 and not first.resumed
+        second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
+        assert second.steps == 80 and second.resumed
+        # Once more: nothing left to train; the run ends with its last checkpoint's step and metrics.
+        third = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
+        assert third.steps == 80 and third.resumed and third.metrics["val_accuracy"] == second.metrics["val_accuracy"]
+    finally:
+        ray.shutdown()
+    fs, _ = pafs.FileSystem.from_uri("s3://ckpts/runs")
+    names = {info.base_name for info in fs.get_file_info(pafs.FileSelector("ckpts/runs/again"))}
+    assert {"run.json", "checkpoint-00000080"} <= names
+    assert ckpt.is_complete(fs, "ckpts/runs/again/checkpoint-00000080")
+    assert ckpt.newest_complete(fs, "ckpts/runs/again")[0] == 80
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("digits")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`training.run_name` = 'again'")
+    assert run.info.run_id == first.mlflow_run_id == second.mlflow_run_id and run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    # The second part continued from step 40: no step logged twice, metrics continue by step.
+    assert steps == sorted(set(steps)) and steps[0] == 5 and steps[-1] == 80 and 45 in steps
+    assert run.data.params["train.max_steps"] == "40"  # params record the first start; resumes keep them

@@ -4,6 +4,7 @@ once, and what the server never took stays in the run's storage until a later ru
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,9 +38,10 @@ def free_port() -> int:
 class MlflowServer:
     """`mlflow server` on loopback over a sqlite store, in its own process group (it forks uvicorn)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, empty_store: Path):
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
+        shutil.copy(empty_store, root / "mlflow.db")  # (the server's first start needs no migrations)
         self.database_uri = f"sqlite:///{root}/mlflow.db"
         self.process = None
         self.starts = 0
@@ -82,8 +84,8 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+def server(tmp_path_factory, empty_mlflow_db):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"), empty_mlflow_db)
     yield server
     server.kill()
 
@@ -261,7 +263,8 @@ def finished_run(tmp_path, run_dir: Path, run_id: str, tracking_uri: str):
     return job, manifest, result, summary
 
 
-def test_a_local_store_gets_every_metric_once_and_the_final_status(tmp_path):
+def test_a_local_store_gets_every_metric_once_and_the_final_status(tmp_path, empty_mlflow_db):
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path}/mlflow.db"  # no server: the same tracker over MLflow's local store
     client = MlflowClient(uri)
     run_id = new_run(client, "local")

@@ -1,4 +1,5 @@
-"""Integration: real training runs on a local Ray cluster, tracked in a real MLflow store."""
+"""Integration: real training runs on a local Ray cluster, tracked in a real MLflow store. (A named
+run resumed in the same MLflow run: tests/test_storage_faults.py, on S3 storage.)"""
 
 import mlflow
 import numpy as np
@@ -65,26 +66,6 @@ def test_default_job_reaches_95_percent_and_is_tracked(ray_cluster, workdir):
     checkpoints = sorted((workdir / "runs" / "digits-default").glob("checkpoint-*"))
     assert 1 <= len(checkpoints) <= 3 and checkpoints[-1].name == "checkpoint-00000400"
     assert all((c / "state.pt").is_file() and (c / "meta.json").is_file() for c in checkpoints)
-
-
-def test_a_named_run_resumes_in_the_same_mlflow_run(ray_cluster, workdir):
-    overrides = ["train.eval_every_n_steps=20", "checkpoint.every_n_steps=20", "train.log_every_n_steps=5",
-                 "train.min_report_interval_s=0"]
-    first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="again"))
-    assert first.steps == 40 and not first.resumed
-    second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
-    assert second.steps == 80 and second.resumed
-    # Once more: nothing left to train; the run ends with its last checkpoint's step and metrics.
-    third = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
-    assert third.steps == 80 and third.resumed and third.metrics["val_accuracy"] == second.metrics["val_accuracy"]
-
-    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    (run,) = runs_named(client, "digits", "again")
-    assert run.info.run_id == first.mlflow_run_id == second.mlflow_run_id and run.info.status == "FINISHED"
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
-    # The second part continued from step 40: no step logged twice, metrics continue by step.
-    assert steps == sorted(set(steps)) and steps[0] == 5 and steps[-1] == 80 and 45 in steps
-    assert run.data.params["train.max_steps"] == "40"  # params record the first start; resumes keep them
 
 
 def test_tinylm_trains_a_small_decoder(ray_cluster, workdir):
