@@ -40,9 +40,13 @@ def _stop_what_dead_sessions_left() -> None:
     for directory in Path("/tmp").glob(f"{SESSION_PREFIX}*"):
         try:
             pid, ticks = (directory / OWNER_FILE).read_text().split()
-        except (OSError, ValueError):
-            continue
-        if _process_start_ticks(int(pid)) == ticks:
+            alive = _process_start_ticks(int(pid)) == ticks
+        except (OSError, ValueError):  # being made this instant, or emptied at its end and written again
+            try:
+                alive = time.time() - directory.stat().st_mtime < 600  # by a Ray process that was stopping
+            except OSError:
+                continue
+        if alive:
             continue  # that session is still running
         marker = f"RAY_TMPDIR={directory}".encode()
         for proc in Path("/proc").iterdir():
