@@ -7,7 +7,6 @@ training run in `<storage_path>/<name>-<trial id>/`, like any training run.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -65,7 +64,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     path = sweep_dir(sweep)
     state_uri = storage.join(path, STATE_FILE)
     if state is None:
-        state = RunRecord(sweep.name, json.loads(json.dumps(sweep.identity())), parent.run_id, paths.tracking_uri)
+        state = RunRecord(sweep.name, sweep.identity(), parent.run_id, paths.tracking_uri)
         state.write(state_uri)
     log(f"sweep {sweep.name}: {'resuming' if _started(path) else 'starting'}; storage {path}")
     summary = SweepSummary(name=sweep.name, path=path, parent_run_id=parent.run_id, tracking_uri=paths.tracking_uri)
