@@ -146,5 +146,7 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     _, run = loss_history(workdir, "spot")
     sizes = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, "world_size")}
-    assert max(step for step, size in sizes.items() if size == 2) == saved[-1]
+    # (the final save's own report can miss tracking: the controller registers a report after the
+    # worker made it, and the drained node may go first; its checkpoint is what the run resumed from)
+    assert max(step for step, size in sizes.items() if size == 2) <= saved[-1]
     assert min(step for step, size in sizes.items() if size == 1) > saved[-1]
