@@ -12,8 +12,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "training" / "configs"
 
-# Keep Ray's per-run chatter small and its controller responsive on a 2-core machine.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Keep Ray's per-run chatter small and its controller responsive on a 2-core machine. The Train
+# controller takes one report per worker per poll: the tests report every few steps
+# (train.min_report_interval_s=0), and at the default 0.5 s poll a digits run could not pass 20 steps/s
+# (100 with this poll), whatever the run proves. Every Ray a test starts inherits this environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 sys.path.insert(0, str(REPO / "tests"))  # plug-in examples under tests/plugins
 

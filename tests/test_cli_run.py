@@ -25,7 +25,7 @@ PLUGIN_CONFIG = {
 
 def cli(*args, cwd, timeout=400):
     env = {"PATH": f"{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "HOME": str(cwd),
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
            "RAY_TMPDIR": os.environ["RAY_TMPDIR"]}  # this session's own (conftest): joins no other Ray
     return subprocess.run([sys.executable, "-m", "training", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)

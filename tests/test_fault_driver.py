@@ -22,7 +22,8 @@ COMMAND = [sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--na
 
 def environment(base):
     return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(base),
-            "TRAINING_BASE_DIR": str(base), "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+            "TRAINING_BASE_DIR": str(base),
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
             "RAY_TMPDIR": os.environ["RAY_TMPDIR"]}  # this session's own (conftest): joins no other Ray
 
 
