@@ -3,6 +3,7 @@ elastic run and a returning node grows it again, with the global batch unchanged
 for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted."""
 
 import json
+import os
 import threading
 import time
 
@@ -19,11 +20,26 @@ COMMON = ["train.global_batch_size=32", "train.log_every_n_steps=10", "train.min
           "scaling.cpus_per_worker=1", "train.torch_threads=1", "tracking.register_model=false"]
 
 
+# For this module's cluster: the default report poll (0.5 s; the reports every 10 steps hold a run
+# to ~20 steps/s, so each phase of a run outlasts a node's loss or arrival), and a worker group
+# that cannot be placed given up on after 30 s, not 60: after a node is lost, Ray Train sizes the
+# next group from a reservation that still counts that node, waits for it, then retries smaller.
+CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    with private_cluster(worker_nodes=1, dashboard=True,
-                         log_to_driver=True) as (cluster, _):
-        yield cluster
+    saved = {key: os.environ.get(key) for key in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)  # inherited by every process of the cluster
+    try:
+        with private_cluster(worker_nodes=1, dashboard=True, log_to_driver=True) as (cluster, _):
+            yield cluster
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def ensure_two_nodes(cluster):
