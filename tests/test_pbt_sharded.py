@@ -21,10 +21,11 @@ DIGITS = REPO / "training" / "configs" / "digits.yaml"
 # after the trial's last chance. A trial's pace is set by its reports (each checkpoint is copied for
 # Tune before the run goes on), its start by the cluster: at 120 steps on a loaded machine the poor
 # trial was done before Tune had the good one's first report. 13 reports (every 20 steps) leave
-# room for a late start; a chance every 40 steps halves the exploits (each one a new training run)
-# after the first; and none comes at the last step, 250, which would start a run with nothing to do.
+# room for a late start; a chance every 100 steps (at 100 and 200) allows at most two exploits,
+# each one a new training run (a chance every 40 steps made up to six of them once reports came
+# fast); and none comes at the last step, 250, which would start a run with nothing to do.
 MAX_STEPS = 250
-INTERVAL_STEPS = 40
+INTERVAL_STEPS = 100
 SETS = ("train.eval_every_n_steps=20", "train.log_every_n_steps=20", "train.min_report_interval_s=0",
         "tracking.experiment=sweeps", "failure.max_failures=1", "parallel.strategy=fsdp",
         f"train.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=20", "checkpoint.keep=20",

@@ -17,12 +17,12 @@ from conftest import REPO
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 
 # long enough that the kill lands mid-run while MLflow catches up with the first checkpoints
-STEPS = 400
+STEPS = 1000
 SWEEP = f"""base: {REPO / 'training' / 'configs' / 'digits.yaml'}
 set: [train.max_steps={STEPS}, train.eval_every_n_steps=20, checkpoint.every_n_steps=20, train.log_every_n_steps=10,
       train.min_report_interval_s=0, tracking.experiment=sweeps]
 space:
-  optim.lr: {{grid: [0.03, 0.01, 0.003]}}
+  optim.lr: {{grid: [0.03, 0.01]}}
 num_samples: 1
 max_concurrent_trials: 1
 trial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}
@@ -79,7 +79,7 @@ def test_a_sweep_whose_driver_was_killed_resumes_with_the_same_command(ray_clust
     resumed = json.loads((interrupted / "summary.json").read_text())
     assert resumed["resumed"] and resumed["steps"] == STEPS  # continued its own run from its checkpoints
     trial_runs = sorted(p.name for p in runs.glob("again-*"))
-    assert len(trial_runs) == 3
+    assert len(trial_runs) == 2
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     experiment = client.get_experiment_by_name("sweeps")
@@ -88,7 +88,7 @@ def test_a_sweep_whose_driver_was_killed_resumes_with_the_same_command(ray_clust
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
     trial_ids = [c.data.tags["tune.trial_id"] for c in children]
-    assert len(trial_ids) == 3 and len(set(trial_ids)) == 3  # no trial counted twice
+    assert len(trial_ids) == 2 and len(set(trial_ids)) == 2  # no trial counted twice
     assert all(c.info.status == "FINISHED" for c in children)
     history = client.get_metric_history(
         next(c for c in children if c.data.tags["training.run_name"] == interrupted.name).info.run_id, "val_accuracy")
