@@ -95,10 +95,10 @@ def recovery(quick: bool) -> dict:
 
     # A full run trains ~2.5 minutes, so two failures land; its failure-free twin runs a sixth of
     # the steps, and the rest is added at that run's own steady rate. Quick: the kill comes 1 s after
-    # the first checkpoint (step 500), well before the end (with 5 s it came at the last step once).
-    interval_s, steps, max_kills = (1.0, 1500, 1) if quick else (60.0, 24000, 100)
+    # the first checkpoint (step 200), well before the end (with 5 s it came at the last step once).
+    interval_s, steps, max_kills, every = (1.0, 600, 1, 200) if quick else (60.0, 24000, 100, 500)
     clean_steps = steps if quick else steps // 6
-    overrides = [f"train.eval_every_n_steps={steps // 10}", "checkpoint.every_n_steps=500",
+    overrides = [f"train.eval_every_n_steps={steps // 10}", f"checkpoint.every_n_steps={every}",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
                  "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false"]
@@ -120,7 +120,7 @@ def recovery(quick: bool) -> dict:
         "steps": steps, "failure_every_s": interval_s, "kills": len(kills), "recoveries_measured": len(per_kill),
         "kill_to_next_step_s_median": median([k["kill_to_next_step_s"] for k in per_kill]) if per_kill else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
-        "checkpoint_every_n_steps": 500,
+        "checkpoint_every_n_steps": every,
         "clean_steps": clean_steps, "clean_run_wall_s": clean.wall_s,
         "clean_wall_s": clean_wall, "chaos_wall_s": chaotic.wall_s,
         "efficiency": clean_wall / chaotic.wall_s,

@@ -37,8 +37,9 @@ def markdown(results: dict) -> str:
                      f"{c['worker_group_start_s']:.1f} s, first step {c['first_step_s']:.1f} s |")
     if "checkpoint" in r:
         c = r["checkpoint"]
+        asynchronous = "n/a" if c["async_step_overhead"] is None else f"{100 * c['async_step_overhead']:.1f}%"
         lines.append(f"| checkpoint stall | sync {100 * c['sync_step_overhead']:.1f}%, async "
-                     f"{100 * c['async_step_overhead']:.1f}% of throughput | — | tinylm 3.2M params, "
+                     f"{asynchronous} of throughput | — | tinylm 3.2M params, "
                      f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint "
                      "(all three evaluate at that cadence, as a scored checkpoint does) |")
         lines.append(f"| checkpoint write | {c['checkpoint_write_mb_per_s']:.0f} MB/s vs disk {c['disk_write_mb_per_s']:.0f} MB/s "

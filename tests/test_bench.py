@@ -12,16 +12,15 @@ from conftest import REPO
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.mark.timeout(960)  # the bench's own limit is 900 s; pytest's default 600 s cut it on a fresh clone
 def test_quick_bench_runs_every_row(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["rows"]
     assert {"cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "memory", "gpu"} <= set(rows)
     assert 0 < rows["memory"]["fsdp_vs_ddp_ratio"] < 1
-    assert set(rows["overhead"]) == {"digits_2w", "tinylm_1w"}  # quick mode: one of each kind
+    assert set(rows["overhead"]) == {"digits_2w"}  # quick mode: one case
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
     assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
     assert rows["cold_start"]["command_to_first_step_s"] > 0
