@@ -125,10 +125,12 @@ def _uses_shared_cluster(item) -> bool:
 
 def pytest_collection_modifyitems(session, config, items):
     """Modules with a test on the shared cluster run last, in their usual order, so that the shared
-    cluster starts once. Tests keep their order within a module (module fixtures stay shared)."""
+    cluster starts once. Tests keep their order within a module (module fixtures stay shared).
+    The quick bench runs just before them: first, in a fresh clone, it was the first to import torch
+    and Ray (byte-compiling them, with --no-compile installs) in a dozen processes at once."""
     modules = list(dict.fromkeys(item.module.__name__ for item in items))
     shared = {item.module.__name__ for item in items if _uses_shared_cluster(item)}
-    rank = {name: (name in shared, index) for index, name in enumerate(modules)}
+    rank = {name: (name in shared, name == "test_bench", index) for index, name in enumerate(modules)}
     items.sort(key=lambda item: rank[item.module.__name__])
 
 
@@ -185,6 +187,15 @@ def wait_for(condition, timeout_s: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def first_exploit(runs: Path, max_steps: int) -> tuple[Path, int]:
+    """A PBT sweep's first exploit before the last step (an exploit at the last step has nothing
+    left to train): the new training run's directory (`<trial run>-x<step>`) and the donor's step."""
+    step_of = lambda p: int(p.name.rsplit("-x", 1)[1])  # noqa: E731
+    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and step_of(p) < max_steps), key=step_of)
+    assert exploits, "PBT exploited no trial before the end"
+    return exploits[0], step_of(exploits[0])
 
 
 @contextmanager

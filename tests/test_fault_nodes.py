@@ -89,7 +89,9 @@ def loss_history(workdir, name):
 
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     ensure_two_nodes(cluster)
-    steps = ["train.max_steps=2400", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200"]
+    # 1600 steps: the group regrows at about step 400-1000 (20 steps/s, restarts of 20-40 s), with
+    # hundreds of steps left to train at 2 workers again
+    steps = ["train.max_steps=1600", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200"]
     # (the reference reports every 50 steps, not 10: it trains faster, and the curves are compared at
     # the steps both logged)
     fixed = run_training(config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
@@ -109,7 +111,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
              180, "a checkpoint at 2 workers again")
     thread.join(timeout=300)
     assert "error" not in outcome, outcome.get("error")
-    assert outcome["summary"].steps == 2400
+    assert outcome["summary"].steps == 1600
 
     # One global batch of 32 at every world size: the same data order, so the same loss curve
     # (up to float summation order, which differs with the number of workers).
@@ -118,7 +120,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     sizes = {int(m.value) for m in __import__("mlflow").tracking.MlflowClient(
         f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, "world_size")}
     assert sizes == {1, 2}
-    late = [s for s in expected if s > 1200 and s in actual]
+    late = [s for s in expected if s > 800 and s in actual]
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     assert abs(mean([actual[s] for s in late]) - mean([expected[s] for s in late])) < 0.1 * mean([expected[s] for s in late]) + 0.01
     assert abs(outcome["summary"].metrics["val_accuracy"] - fixed.metrics["val_accuracy"]) < 0.03

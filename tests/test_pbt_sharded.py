@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, first_exploit
 from training.checkpoint import format as ckpt
 from training.models import build_model
 from tuning import config as sweep_config
@@ -52,11 +52,7 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
 
     runs = workdir / "runs"
-    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < MAX_STEPS),
-                      key=lambda p: int(p.name.rsplit("-x", 1)[1]))
-    assert exploits, "PBT exploited no trial before the end"
-    seed_run = exploits[0]
-    step = int(seed_run.name.rsplit("-x", 1)[1])
+    seed_run, step = first_exploit(runs, MAX_STEPS)
     seed = seed_run / "seed"
     assert ckpt.has_sharded_layout(seed) and ckpt.is_complete(pafs.LocalFileSystem(), str(seed))
     donors = [p / ckpt.checkpoint_dir_name(step) for p in runs.iterdir() if p.name.startswith("pbt-")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO
+from conftest import REPO, first_exploit
 from tuning import config as sweep_config
 from tuning.resources import orphaned_groups
 from tuning.sweep import run_sweep
@@ -99,12 +99,7 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
 
     runs = workdir / "runs"
-    # (an exploit at the last step has nothing left to train: look at one before it)
-    exploits = sorted((p for p in runs.iterdir() if "-x" in p.name and int(p.name.rsplit("-x", 1)[1]) < MAX_STEPS),
-                      key=lambda p: int(p.name.rsplit("-x", 1)[1]))
-    assert exploits, "PBT exploited no trial before the end"
-    seed_run = exploits[0]
-    step = int(seed_run.name.rsplit("-x", 1)[1])
+    seed_run, step = first_exploit(runs, MAX_STEPS)
     seed = torch.load(seed_run / "seed" / "state.pt", weights_only=True)
     donors = [p for p in runs.iterdir() if p.name.startswith("pbt-") and not p.name.startswith(seed_run.name[:-len(
         f"-x{step}")]) and (p / f"checkpoint-{step:08d}" / "state.pt").is_file()]
