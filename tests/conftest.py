@@ -126,8 +126,7 @@ def _uses_shared_cluster(item) -> bool:
 def pytest_collection_modifyitems(session, config, items):
     """Modules with a test on the shared cluster run last, in their usual order, so that the shared
     cluster starts once. Tests keep their order within a module (module fixtures stay shared).
-    The quick bench runs just before them: first, in a fresh clone, it was the first to import torch
-    and Ray (byte-compiling them, with --no-compile installs) in a dozen processes at once."""
+    The quick bench runs just before them, after the other tests that start their own Ray."""
     modules = list(dict.fromkeys(item.module.__name__ for item in items))
     shared = {item.module.__name__ for item in items if _uses_shared_cluster(item)}
     rank = {name: (name in shared, name == "test_bench", index) for index, name in enumerate(modules)}
@@ -187,6 +186,21 @@ def wait_for(condition, timeout_s: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def tracked_history(client, experiment: str, metric: str, run_name: str | None = None) -> list:
+    """MLflow's history of `metric` for a run in `experiment` (the run named `run_name`, or the first
+    one found) so far: empty before the run exists, or while the store is locked by the run's own
+    writes (sqlite, written by another process)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = client.get_experiment_by_name(experiment)
+        where = f"tags.`training.run_name` = '{run_name}'" if run_name else ""
+        runs = client.search_runs([found.experiment_id], filter_string=where) if found else []
+        return client.get_metric_history(runs[0].info.run_id, metric) if runs else []
+    except MlflowException:
+        return []
 
 
 def first_exploit(runs: Path, max_steps: int) -> tuple[Path, int]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, tracked_history
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 
@@ -45,18 +45,6 @@ def newest_checkpoint(run_dir) -> int:
     return max(steps, default=-1)
 
 
-def tracked_steps(client) -> list[int]:
-    """Steps at which MLflow has the run's train_loss (none before the run exists, or while the
-    store is locked by the run's own writes)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        experiment = client.get_experiment_by_name("digits")
-        runs = client.search_runs([experiment.experiment_id]) if experiment else []
-        return [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")] if runs else []
-    except MlflowException:
-        return []
-
 
 def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
     import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
@@ -77,7 +65,7 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_d
         while True:
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no tracked metrics and checkpoint after them"
-            if tracked_since is None and tracked_steps(client):
+            if tracked_since is None and tracked_history(client, "digits", "train_loss"):
                 tracked_since = newest_checkpoint(run_dir)
             if tracked_since is not None and newest_checkpoint(run_dir) > tracked_since:
                 break

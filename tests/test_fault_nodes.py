@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, private_cluster, wait_for
+from conftest import CONFIGS, private_cluster, tracked_history, wait_for
 from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training.run.driver import run_training
@@ -87,21 +87,6 @@ def loss_history(workdir, name):
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}, run
 
 
-def tracked_world_sizes(workdir, name) -> set[int]:
-    """The world sizes MLflow has for run `name` so far (none before it exists, or while the store
-    is locked by the run's own writes)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    try:
-        experiment = client.get_experiment_by_name("digits")
-        runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`training.run_name` = '{name}'") \
-            if experiment else []
-        return {int(m.value) for m in client.get_metric_history(runs[0].info.run_id, "world_size")} if runs else set()
-    except MlflowException:
-        return set()
-
 
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     ensure_two_nodes(cluster)
@@ -157,7 +142,9 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     # Drained once the run trains at 2 workers (its reports in MLflow), before the regular checkpoint
     # at 1000: 3 s after the workers were placed, as this once did, the group could still be starting,
     # and a worker created on a draining node never started.
-    wait_for(lambda: 2 in tracked_world_sizes(workdir, "spot"), 180, "training at 2 workers, tracked")
+    client = __import__("mlflow").tracking.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    wait_for(lambda: 2 in {int(m.value) for m in tracked_history(client, "digits", "world_size", "spot")}, 180,
+             "training at 2 workers, tracked")
     (worker_node,) = [node for node in cluster.worker_nodes]
     accepted, message = ray._raylet.GcsClient(address=cluster.address).drain_node(
         worker_node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),

@@ -12,7 +12,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO
+from conftest import REPO, tracked_history
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 
@@ -28,13 +28,6 @@ max_concurrent_trials: 1
 trial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}
 """
 
-
-def tracked_steps(client, run_name: str) -> list[int]:
-    """Steps at which MLflow has the trial run `run_name`'s val_accuracy."""
-    experiment = client.get_experiment_by_name("sweeps")
-    found = client.search_runs([experiment.experiment_id], filter_string=f"tags.`training.run_name` = '{run_name}'") \
-        if experiment else []
-    return [m.step for m in client.get_metric_history(found[0].info.run_id, "val_accuracy")] if found else []
 
 
 def command(workdir, address):
@@ -59,7 +52,7 @@ def test_a_sweep_whose_driver_was_killed_resumes_with_the_same_command(ray_clust
         running = [p for p in runs.glob("again-*") if not (p / "summary.json").exists() and list(p.glob("checkpoint-*"))]
         if finished and running:
             client = client or MlflowClient(f"sqlite:///{workdir}/mlflow.db")  # (created by the sweep by now)
-            if tracked_steps(client, running[0].name):
+            if tracked_history(client, "sweeps", "val_accuracy", running[0].name):
                 break
         time.sleep(0.5)
     assert driver.poll() is None, open(workdir / "first.log").read()[-3000:]
