@@ -17,14 +17,9 @@ from tuning.sweep import run_sweep
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 DIGITS = REPO / "training" / "configs" / "digits.yaml"
-# PBT exploits only while both trials run, and only at a report at least perturbation_interval_steps
-# after the trial's last chance. A trial's pace is set by its reports (each checkpoint is copied for
-# Tune before the run goes on), its start by the cluster: at 120 steps on a loaded machine the poor
-# trial was done before Tune had the good one's first report. 13 reports (every 20 steps) leave
-# room for a late start; a chance every 100 steps (at 100 and 200) allows at most two exploits,
-# each one a new training run (a chance every 40 steps made up to six of them once reports came
-# fast); and none comes at the last step, 250, which would start a run with nothing to do.
-MAX_STEPS = 250
+# Synchronous PBT (see test_tuning_ray.py): one exploit, at step 100, whatever the trials' start
+# times, with 50 steps left to train after it.
+MAX_STEPS = 150
 INTERVAL_STEPS = 100
 SETS = ("train.eval_every_n_steps=20", "train.log_every_n_steps=20", "train.min_report_interval_s=0",
         "tracking.experiment=sweeps", "failure.max_failures=1", "parallel.strategy=fsdp",
@@ -33,14 +28,13 @@ SETS = ("train.eval_every_n_steps=20", "train.log_every_n_steps=20", "train.min_
 
 
 def _sweep_file(tmp_path):
-    # The poor trial starts first, so that the first exploit comes early (see test_tuning_ray.py).
     lines = "\n".join(f"  - {s}" for s in SETS)
     path = tmp_path / "sweep.yaml"
     path.write_text(f"base: {DIGITS}\nset:\n{lines}\ntrial:\n  driver_cpus: 0.25\n"
                     "  scaling: {num_workers: 1, cpus_per_worker: 0.5}\n"
                     "space:\n  optim.lr: {grid: [0.00001, 0.03]}\n"
                     f"scheduler: {{name: pbt, perturbation_interval_steps: {INTERVAL_STEPS}, quantile_fraction: 0.5, "
-                    "resample_probability: 1.0}\nnum_samples: 1\n")
+                    "resample_probability: 1.0, synch: true}\nnum_samples: 1\n")
     return path
 
 

@@ -81,21 +81,18 @@ def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(
     assert version.tags["tune.trial_id"] == summary.best.trial_id
 
 
-# Long enough that the second trial has a score before the first finishes (at 120 steps, once reports
-# came fast, the first trial was done before Tune had the second's first report); a chance every 100
-# steps (at 100 and 200) allows at most two exploits, each one a new training run.
-MAX_STEPS = 250
+# Synchronous PBT: a trial that reaches step 100 first waits (paused) for the other, so the one
+# exploit comes at step 100 whatever the trials' start times. (Asynchronous, it came only if the
+# later trial had a score before the earlier one passed its last interval: on a loaded machine it
+# sometimes had none.) 50 steps are left to train after it; none comes at 200.
+MAX_STEPS = 150
 
 
 @pytest.mark.timeout(420)
 def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
-    # The poor trial starts first. PBT compares trials only once both have a score, so the first
-    # exploit comes at the poor trial's first interval after the good one's first report, and the
-    # donor's checkpoint is early: the exploited trial has most of its steps left to train. (With
-    # the good trial first, the poor one, starting later, can find the donor already finished.)
     body = ("space:\n  optim.lr: {grid: [0.00001, 0.03]}\n"
             "scheduler: {name: pbt, perturbation_interval_steps: 100, quantile_fraction: 0.5, "
-            "resample_probability: 1.0}\nnum_samples: 1\n")
+            "resample_probability: 1.0, synch: true}\nnum_samples: 1\n")
     sweep = sweep_config.load(write_sweep(workdir, body, [f"train.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=20",
                                                           "checkpoint.keep=20"]), name="pbt")
     summary = run_sweep(sweep)

@@ -41,6 +41,10 @@ class SchedulerConfig(Section):
     perturbation_interval_steps: int = Field(100, ge=1)
     quantile_fraction: float = Field(0.25, gt=0, le=0.5)
     resample_probability: float = Field(0.25, ge=0, le=1)
+    # PBT: true makes every trial wait at each interval until all have reached it (a waiting trial
+    # is paused, and later resumes its own run from its checkpoint). Exploits then compare trials
+    # at the same step, whatever their start times, at the cost of a restart per interval.
+    synch: bool = False
 
 
 class TrialConfig(Section):
@@ -97,6 +101,9 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     sweep_keys = set(SweepConfig.model_fields)
     own = [text for text in overrides if text.partition("=")[0].split(".")[0].strip() in sweep_keys]
     raw = config_lib.apply_overrides(raw, own)
+    if not isinstance(raw.get("set") or [], list):
+        raise ConfigError(f"{path}: set: must be a list of KEY=VALUE overrides, such as "
+                          f"[train.max_steps=320, optim.lr=0.01]; got {type(raw['set']).__name__}")
     raw["set"] = list(raw.get("set") or []) + [text for text in overrides if text not in own]
     if isinstance(raw.get("space"), dict):
         raw["space"] = flatten_space(raw["space"])

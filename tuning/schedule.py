@@ -62,7 +62,7 @@ def _scheduler(sweep: Sweep):
         return PopulationBasedTraining(time_attr=TIME_ATTR, perturbation_interval=cfg.perturbation_interval_steps,
                                        hyperparam_mutations=pbt_mutations(sweep.space),
                                        quantile_fraction=cfg.quantile_fraction,
-                                       resample_probability=cfg.resample_probability, synch=False)
+                                       resample_probability=cfg.resample_probability, synch=cfg.synch)
     from ray.tune.schedulers import FIFOScheduler
 
     return FIFOScheduler()
