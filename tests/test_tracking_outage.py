@@ -29,6 +29,9 @@ MLFLOW = str(Path(sys.executable).parent / "mlflow")
 FAST = SendPolicy(attempt_timeout_s=2.0, first_backoff_s=0.2, max_backoff_s=1.0, persist_every_s=1.0, end_wait_s=3.0)
 
 
+PASSWORD = "S3cretPassw0rd"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -315,10 +318,13 @@ def test_a_training_run_survives_mlflow_killed_and_restarted(server, ray_cluster
     # Long enough to outlast a restart of the server here (10-30 s on a busy 2-core machine); if the
     # server comes back only after the last step, the end of the run still waits a little for it.
     max_steps = 600
+    # The server asks for no password; the run is given one in the URI, as one with basic auth
+    # would need, and it must show up nowhere: not in the output, the run's files or MLflow.
+    secret_uri = server.uri.replace("http://", f"http://alice:{PASSWORD}@")
     job = config_lib.load(CONFIGS / "digits.yaml", [
         "scaling.num_workers=1", f"train.max_steps={max_steps}", "train.log_every_n_steps=10",
         "train.eval_every_n_steps=50", "checkpoint.every_n_steps=50", "train.min_report_interval_s=0",
-        f"tracking.tracking_uri={server.uri}", "tracking.experiment=outage-e2e"], name="outage")
+        f"tracking.tracking_uri={secret_uri}", "tracking.experiment=outage-e2e"], name="outage")
     first_checkpoint = workdir / "runs" / "outage" / "checkpoint-00000050"
     events = {}
 
@@ -340,9 +346,14 @@ def test_a_training_run_survives_mlflow_killed_and_restarted(server, ray_cluster
     text = output.out + output.err
 
     assert summary.steps == max_steps and events["killed"] < ended
-    assert f"MLflow at {server.uri} is unreachable" in text and "training continues" in text
+    shown_uri = server.uri.replace("http://", "http://alice:***@")
+    assert f"MLflow at {shown_uri} is unreachable" in text and "training continues" in text
     client = MlflowClient(server.uri)
     run = client.get_run(summary.mlflow_run_id)
+    assert PASSWORD not in text
+    assert run.data.params["tracking.tracking_uri"] == shown_uri and PASSWORD not in json.dumps(run.data.params)
+    assert not [str(p) for p in [*workdir.rglob("*"), *server.root.rglob("*")]
+                if p.is_file() and PASSWORD.encode() in p.read_bytes()]
     assert run.info.status == "FINISHED"
     reported = list(range(10, max_steps + 1, 10))
     assert steps_of(client, run.info.run_id, "train_loss") == reported  # every report, exactly once

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 
 from training.errors import ConfigError
-from training.schema import Section, format_validation_error, set_path
+from training.redaction import redact_values
+from training.schema import Section, format_validation_error, load_yaml, set_path
 
 
 class ModelConfig(Section):
@@ -37,7 +38,8 @@ class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    # Adam's moment decay rates, each in [0, 1).
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     momentum: float = Field(0.9, ge=0, lt=1)
     # Linear warmup for this many steps, then cosine decay to lr * min_lr_ratio.
     warmup_steps: int = Field(0, ge=0)
@@ -56,8 +58,8 @@ class EarlyStoppingConfig(Section):
 
 class TrainConfig(Section):
     # Length of the run: exactly one of max_steps and epochs.
-    max_steps: Optional[int] = Field(None, ge=1)
-    epochs: Optional[float] = Field(None, gt=0)
+    max_steps: Optional[int] = Field(None, ge=1, le=10 ** 12)
+    epochs: Optional[float] = Field(None, gt=0, le=10 ** 6)
     # Samples per optimizer step across all workers; constant whatever the world size.
     global_batch_size: int = Field(64, ge=1)
     # Largest batch one worker runs forward at once; more is gradient accumulation.
@@ -84,12 +86,12 @@ class TrainConfig(Section):
 
 class ScalingConfig(Section):
     # A fixed number of workers, or [min, max] for elastic training.
-    num_workers: Union[int, tuple[int, int]] = 2
+    num_workers: Union[StrictInt, tuple[StrictInt, StrictInt]] = 2
     # auto: GPUs when the cluster has any, or can grow to have some ($TRAINING_CLUSTER_CONFIG, the
     # launcher's config, which cluster.yaml names on the head).
     use_gpu: Union[bool, Literal["auto"]] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
-    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # Elastic runs: how often Ray Train checks whether more workers fit (each grow is a restart
     # from the latest checkpoint, so not too often).
     resize_check_interval_s: float = Field(60.0, ge=0)
@@ -155,7 +157,7 @@ class TrackingConfig(Section):
     enabled: bool = True
     # Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the base directory.
     tracking_uri: Optional[str] = None
-    experiment: str = "training"
+    experiment: str = Field("training", min_length=1)
     register_model: bool = True
     # Registry name; default "<data.source>-<model.name>".
     registered_model_name: Optional[str] = None
@@ -169,7 +171,8 @@ class TrackingConfig(Section):
 class JobConfig(Section):
     # Run name: a run whose name exists in storage is resumed. Default: <config>-<timestamp>.
     name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-    seed: int = 0
+    # Seeds the model's initial weights, the data order and every step's random draws.
+    seed: int = Field(0, ge=0, lt=2 ** 32)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -204,10 +207,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, such as --set train.max_steps=100")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({exc})") from None
-    return key.strip().split("."), value
+        value = load_yaml(raw, "the value") if raw.strip() else None
+    except ValueError as exc:
+        raise ConfigError(f"--set {text!r}: {exc}") from None
+    path = key.strip().split(".")
+    if not all(part.strip() for part in path):
+        raise ConfigError(f"--set {text!r}: {key.strip()!r} has an empty part; keys are dotted paths such as optim.lr")
+    return path, value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -240,9 +246,11 @@ def read_yaml_mapping(path: Path, what: str, hint: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist; {hint}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raw = load_yaml(path.read_bytes(), str(path))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if raw is None:
+        raise ConfigError(f"{what} {path} is empty; {hint}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw
@@ -263,11 +271,12 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
 
 
 def to_yaml(config: JobConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The config as it is shown and stored (config.yaml, MLflow): passwords in URIs masked."""
+    return yaml.safe_dump(redact_values(config.model_dump(mode="json")), sort_keys=False)
 
 
 def flatten(config: JobConfig) -> dict[str, str]:
-    """The config as dotted keys, for MLflow params."""
+    """The config as dotted keys, for MLflow params (passwords in URIs masked)."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -277,12 +286,12 @@ def flatten(config: JobConfig) -> dict[str, str]:
         else:
             flat[prefix] = "null" if value is None else str(value)
 
-    walk("", config.model_dump(mode="json"))
+    walk("", redact_values(config.model_dump(mode="json")))
     return flat
 
 
 def identity_of(config: JobConfig) -> dict[str, Any]:
-    dumped = config.model_dump(mode="json")
+    dumped = redact_values(config.model_dump(mode="json"))  # (stored in run.json)
     identity = {}
     for dotted in IDENTITY_FIELDS:
         node = dumped

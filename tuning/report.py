@@ -20,6 +20,7 @@ import yaml
 from training import config as config_lib
 from training import storage
 from training.adaptors.ray_private import result_grid_trials
+from training.redaction import redact, redact_values
 from training.run.record import RunRecord
 from training.tracking.tracker import NullTracker, fluent_mlflow
 from tuning.config import Sweep
@@ -58,12 +59,13 @@ def start_parent(sweep: Sweep, paths, state: Optional[RunRecord]):
     if cfg.scheduler.name == "pbt":
         params.update({"scheduler.perturbation_interval_steps": str(cfg.scheduler.perturbation_interval_steps),
                        "scheduler.quantile_fraction": str(cfg.scheduler.quantile_fraction),
-                       "scheduler.resample_probability": str(cfg.scheduler.resample_probability)})
+                       "scheduler.resample_probability": str(cfg.scheduler.resample_probability),
+                       "scheduler.synch": str(cfg.scheduler.synch)})
     tags = {SWEEP_TAG: sweep.name, "tune.role": "sweep", "mlflow.runName": sweep.name}
     parent = MlflowTracker.start(paths.tracking_uri, sweep.base.tracking.experiment, sweep.name,
                                  state.mlflow_run_id if state else None, tags, params,
                                  artifact_location=artifact_location(paths, sweep.base))
-    text = yaml.safe_dump({"sweep": cfg.model_dump(mode="json"), "base": sweep.base.model_dump(mode="json")},
+    text = yaml.safe_dump(redact_values({"sweep": cfg.model_dump(mode="json"), "base": sweep.base.model_dump(mode="json")}),
                           sort_keys=False)
     parent.client.log_text(parent.run_id, text, "sweep/resolved_sweep.yaml")
     return parent
@@ -153,7 +155,7 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: RunRecord, summar
                 state.registered = summary.registered
             log(f"sweep {sweep.name}: best trial {best.trial_id} ({sweep.config.metric} {_fmt(best.last)}) "
                 f"{_params_text(best.params)}")
-    log(f"  MLflow parent run {parent.run_id} at {parent.tracking_uri}")
+    log(f"  MLflow parent run {parent.run_id} at {redact(parent.tracking_uri)}")
     if summary.registered:
         log(f"  registered model: {summary.registered['name']} version {summary.registered['version']}")
 

@@ -45,6 +45,8 @@ from typing import Any, Optional
 import pyarrow.fs as pafs
 import torch
 
+from training.redaction import redact_values
+
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -124,7 +126,8 @@ def write(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.opt
           steps_per_epoch: int, world_size: int, metrics: dict) -> None:
     """A worker's checkpoint of its training state: sharded, every worker calls this at once (see
     save_sharded); else rank 0 alone. `model` is the unwrapped module (its own parameter names)."""
-    fields = dict(scheduler_state=scheduler.state_dict(), loop=loop, config=config, steps_per_epoch=steps_per_epoch,
+    fields = dict(scheduler_state=scheduler.state_dict(), loop=loop, config=redact_values(config),
+                  steps_per_epoch=steps_per_epoch,
                   world_size=world_size, metrics=metrics)
     if sharded:
         save_sharded(directory, model=model, optimizer=optimizer, **fields)

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from training import config as config_lib
 from training import storage
 from training.config import JobConfig
+from training.redaction import redact
 from training.errors import UserError
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
 from training.run.record import RunRecord
@@ -58,9 +59,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
     record_uri = storage.join(paths.run_dir, RUN_FILE)
-    record = RunRecord.read(record_uri, name, f"checkpoint.storage_path {paths.storage_path}")
+    record = RunRecord.read(record_uri, name, f"checkpoint.storage_path {redact(paths.storage_path)}")
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
+    preflight.check_tracking(job, paths, record)
     largest = maximum_resources()  # None: no launcher config on this machine
     manifest = preflight.prepare_checked(job.data, paths, preflight.job_checks(job, paths), log)
     timings["data_ready"] = time.time()
@@ -128,7 +130,7 @@ def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord],
                                       config_lib.flatten(job), artifact_location=artifact_location(paths, job),
                                       run_dir=paths.run_dir)
     except Exception as exc:
-        raise UserError(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}") from None
+        raise UserError(redact(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}")) from None
     tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
     replay_backlogs(paths.storage_path, tracker)  # what MLflow missed while it was away, this run's included
     return tracker

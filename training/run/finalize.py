@@ -13,6 +13,7 @@ import torch
 from training.checkpoint import format as ckpt
 from training import storage
 from training.config import JobConfig
+from training.redaction import redact, redact_values
 from training.data.loader import SplitReader
 from training.run.export import export_onnx
 from training.models import build_model
@@ -108,16 +109,16 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     if result.checkpoint is not None and tracker.run_id is not None:
         if not tracker.catch_up():  # the metrics first (the plot reads them back), and is MLflow there?
             summary.extra["mlflow_model_logged"] = False
-            log(f"warning: MLflow at {tracker.tracking_uri} is unreachable: the final model is not logged or "
+            log(f"warning: MLflow at {redact(tracker.tracking_uri)} is unreachable: the final model is not logged or "
                 f"registered there; it is in the checkpoint {summary.checkpoint_path}, the summary in {summary_uri}")
         else:
             try:
                 log_final_artifacts(job, manifest, result, tracker, summary, log)
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
-                log(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
-                    f"({type(exc).__name__}: {str(exc)[:300]}); it is in the checkpoint {summary.checkpoint_path}, "
-                    f"the summary in {summary_uri}")
+                log(redact(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
+                           f"({type(exc).__name__}: {str(exc)[:300]}); it is in the checkpoint {summary.checkpoint_path}, "
+                           f"the summary in {summary_uri}"))
         storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
     for line in summary_lines(summary):
         log(line)
@@ -147,9 +148,9 @@ def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary, log=
 
 
 def summary_dict(summary) -> dict:
-    return {"name": summary.name, "steps": summary.steps, "wall_s": round(summary.wall_s, 1),
-            "resumed": summary.resumed, "metrics": summary.metrics, "checkpoint": summary.checkpoint_path,
-            "mlflow_run_id": summary.mlflow_run_id, **summary.extra}
+    return redact_values({"name": summary.name, "steps": summary.steps, "wall_s": round(summary.wall_s, 1),
+                          "resumed": summary.resumed, "metrics": summary.metrics, "checkpoint": summary.checkpoint_path,
+                          "mlflow_run_id": summary.mlflow_run_id, **summary.extra})
 
 
 def summary_lines(summary) -> list[str]:
@@ -160,7 +161,7 @@ def summary_lines(summary) -> list[str]:
              "  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
              f"  checkpoint: {summary.checkpoint_path}"]
     if summary.mlflow_run_id:
-        lines.append(f"  MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}")
+        lines.append(f"  MLflow run {summary.mlflow_run_id} at {redact(summary.tracking_uri or '')}")
     if summary.registered_model:
         lines.append(f"  registered model: {summary.registered_model} version {summary.extra.get('registered_version')}")
     return lines

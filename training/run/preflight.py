@@ -13,6 +13,7 @@ from typing import Callable
 from training import storage
 from training.config import DataConfig, JobConfig
 from training.errors import ConfigError, UserError
+from training.redaction import redact
 from training.metrics import VALIDATION_METRICS
 from training.run.paths import RunPaths
 
@@ -45,6 +46,26 @@ def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
     return check
 
 
+def check_tracking(job: JobConfig, paths: RunPaths, record) -> None:
+    """Before any data is prepared or written: a resumed run is tracked where it was, and a tracking
+    server answers (one short request). A local store (sqlite, files) is created when the run starts."""
+    if not job.tracking.enabled or paths.tracking_uri is None:
+        return
+    if record is not None:
+        record.check_tracking(paths.tracking_uri)
+    uri = paths.tracking_uri
+    if "://" not in uri or uri.startswith(("sqlite:", "file:")):
+        return
+    from training.tracking.policy import SendPolicy
+    from training.tracking.transport import MlflowTransport
+
+    try:
+        MlflowTransport(uri, SendPolicy().attempt_timeout_s).check_reachable()
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(redact(f"tracking: cannot reach MLflow at {uri}: {reason}")) from None
+
+
 def check_storage(paths: RunPaths) -> None:
     """Fail fast, before anything starts, if the storage path cannot be written."""
     probe = storage.join(paths.storage_path, f".write-probe-{uuid.uuid4().hex}")  # runs may start at once
@@ -53,7 +74,7 @@ def check_storage(paths: RunPaths) -> None:
         fs, path = storage.filesystem(probe)
         fs.delete_file(path)
     except Exception as exc:
-        raise UserError(f"checkpoint.storage_path {paths.storage_path} is not writable: {exc}") from None
+        raise UserError(redact(f"checkpoint.storage_path {paths.storage_path} is not writable: {exc}")) from None
 
 
 def check_metric(field: str, metric: str, task: str) -> None:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from training import storage
 from training.errors import ConfigError, UserError
+from training.redaction import redact
 
 
 @dataclass
@@ -43,7 +44,9 @@ class RunRecord:
                    raw.get("registered"))
 
     def write(self, uri: str) -> None:
-        storage.write_text(uri, json.dumps(asdict(self), indent=2))
+        record = asdict(self)
+        record["tracking_uri"] = redact(self.tracking_uri) if self.tracking_uri else self.tracking_uri
+        storage.write_text(uri, json.dumps(record, indent=2))
 
     def check_resumable(self, identity: dict, kind: str, remedy: str) -> None:
         """Refuse to continue a run whose identity changed: it would mix two different runs.
@@ -55,6 +58,8 @@ class RunRecord:
                               f"resuming it would mix two different {kind}s. Use a new --name, or {remedy} to resume it.")
 
     def check_tracking(self, tracking_uri: Optional[str]) -> None:
-        if self.tracking_uri not in (None, tracking_uri):
-            raise ConfigError(f"run {self.name!r} is tracked at {self.tracking_uri}, not {tracking_uri}; "
+        """(The record keeps the URI without its password: a changed password is the same store.)"""
+        shown = redact(tracking_uri) if tracking_uri else tracking_uri
+        if self.tracking_uri is not None and redact(self.tracking_uri) != shown:
+            raise ConfigError(f"run {self.name!r} is tracked at {redact(self.tracking_uri)}, not {shown}; "
                               "set tracking.tracking_uri to the original to resume it")

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Optional
 
 from training import storage
+from training.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def write_backlog(uri: str, run_id: str, tracking_uri: str, metrics: list,
                   status: Optional[tuple[str, int]]) -> bool:
     """Write the file (metrics are `mlflow.entities.Metric`; status is (status, end_time_ms) or None).
     False, with a warning, if the storage refused it."""
-    header = {"run_id": run_id, "tracking_uri": tracking_uri, "status": status[0] if status else None,
+    header = {"run_id": run_id, "tracking_uri": redact(tracking_uri), "status": status[0] if status else None,
               "end_time_ms": status[1] if status else None, "written": time.time()}
     lines = [json.dumps(header)] + [json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
                                                 "step": m.step}) for m in metrics]
@@ -88,7 +89,7 @@ def replay_backlogs(storage_path: str, tracker, log_line: Callable[[str], None] 
         except Exception as exc:
             log.warning("tracking: cannot read %s: %s", uri, exc)
             continue
-        if found is None or found[0].get("tracking_uri") != tracker.tracking_uri:
+        if found is None or redact(found[0].get("tracking_uri") or "") != redact(tracker.tracking_uri):
             continue
         header, metrics = found
         own = run_dir == tracker.run_dir

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Optional
 
+from training.redaction import redact
 from training.tracking import backlog
 from training.tracking.policy import SenderAction, SenderState, SendPolicy
 from training.tracking.transport import MlflowTransport, is_rejected, short_reason
@@ -132,8 +133,8 @@ class Sender:
             if not is_rejected(exc):
                 self._failed(exc)
                 return
-            log.warning("tracking: MLflow at %s refused %s for run %s: %s", self.transport.tracking_uri,
-                        f"{len(metrics)} metrics" if metrics else f"the status {status[0]}", self.run_id, exc)
+            log.warning("tracking: MLflow at %s refused %s for run %s: %s", redact(self.transport.tracking_uri),
+                        f"{len(metrics)} metrics" if metrics else f"the status {status[0]}", self.run_id, redact(str(exc)))
         self._delivered(len(metrics), status is not None)
 
     def _failed(self, exc: Exception) -> None:
@@ -143,8 +144,8 @@ class Sender:
             if self._failures == 1:
                 self._down_since = self._failed_at
                 log.warning("tracking: MLflow at %s is unreachable (%s); training continues, %d metrics are kept "
-                            "and sent when it answers again%s", self.transport.tracking_uri,
-                            short_reason(exc, self.transport.timeout_s), len(self._pending),
+                            "and sent when it answers again%s", redact(self.transport.tracking_uri),
+                            redact(short_reason(exc, self.transport.timeout_s)), len(self._pending),
                             f" (meanwhile also written to {self.backlog_uri})" if self.backlog_uri else "")
 
     def _delivered(self, count: int, status_sent: bool) -> None:
@@ -155,7 +156,7 @@ class Sender:
             self._changed = True
             if self._failures:
                 log.warning("tracking: MLflow at %s answers again after %.0f s; sending the %d metrics kept "
-                            "meanwhile", self.transport.tracking_uri, time.monotonic() - self._down_since,
+                            "meanwhile", redact(self.transport.tracking_uri), time.monotonic() - self._down_since,
                             len(self._pending) + count)
                 self._failures = 0
             drained = not self._has_work()

@@ -32,9 +32,10 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Optional
 
+from training.redaction import redact
 from training.tracking.policy import SendPolicy
 from training.tracking.sender import Sender
-from training.tracking.transport import MlflowTransport
+from training.tracking.transport import MlflowTransport, keep_password_out_of_mlflow_output
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def fluent_mlflow(tracking_uri: str):
     import mlflow
 
     previous = os.environ.get("MLFLOW_TRACKING_URI")  # what set_tracking_uri last set, if anything
+    keep_password_out_of_mlflow_output(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     try:
         yield mlflow
@@ -190,8 +192,8 @@ class MlflowTracker:
         if self.run_dir:
             log.warning("tracking: MLflow at %s is unreachable; %s of MLflow run %s are kept in %s and will be "
                         "sent when this run is resumed, or another run in the same storage starts, with MLflow "
-                        "reachable", self.tracking_uri, what, self.run_id, self._sender.backlog_uri)
+                        "reachable", redact(self.tracking_uri), what, self.run_id, self._sender.backlog_uri)
         else:
             log.warning("tracking: MLflow at %s is unreachable; %s of MLflow run %s are lost",
-                        self.tracking_uri, what, self.run_id)
+                        redact(self.tracking_uri), what, self.run_id)
         return False

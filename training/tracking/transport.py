@@ -6,7 +6,17 @@ retries (MLflow's own client retries back off for minutes); when to try again is
 
 from __future__ import annotations
 
+import os
+
 from training.adaptors import mlflow_private
+from training.redaction import redact
+
+
+def keep_password_out_of_mlflow_output(tracking_uri: str) -> None:
+    """MLflow's client prints a link to each run it ends (`View run ... at: <tracking URI>/#/...`),
+    password included: in a process that uses a URI with one, it is told not to."""
+    if redact(tracking_uri) != tracking_uri:
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 class MlflowTransport:
@@ -15,6 +25,7 @@ class MlflowTransport:
     def __init__(self, tracking_uri: str, timeout_s: float):
         self.tracking_uri, self.timeout_s = tracking_uri, timeout_s
         self._client = None
+        keep_password_out_of_mlflow_output(tracking_uri)
 
     @property
     def client(self):
