@@ -4,6 +4,7 @@ map to exit codes (0 ok, warnings allowed; 1 a check or an action failed; 2 bad 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections import Counter
@@ -14,6 +15,17 @@ from cluster.config import DEFAULT_CLUSTER_FILE, ConfigError, load_and_prepare
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a number, not inf or nan (which every comparison would let through)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,14 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--offline", action="store_true", help="skip live AWS checks even with credentials")
     cost = sub.add_parser("cost", help="$/hour per node type and the cost and energy of a run")
     cost.add_argument("config", nargs="?", default=DEFAULT_CLUSTER_FILE)
-    cost.add_argument("--hours", type=float, default=1.0, help="run duration (default 1)")
+    cost.add_argument("--hours", type=finite_float, default=1.0, help="run duration (default 1)")
     cost.add_argument("--workers", type=int, default=None,
                       help="GPU worker nodes (default: the preferred type's max_workers)")
     cost.add_argument("--offline", action="store_true", help="use the table's spot prices even with credentials")
     rehearse = sub.add_parser("rehearse", help="rehearse autoscaling locally with fake GPU nodes")
     rehearse.add_argument("config", nargs="?", default=DEFAULT_CLUSTER_FILE)
     rehearse.add_argument("--gpu-workers", type=int, default=2, help="GPU workers the rehearsal job needs")
-    rehearse.add_argument("--idle-timeout-s", type=float, default=10.0,
+    rehearse.add_argument("--idle-timeout-s", type=finite_float, default=10.0,
                           help="idle time before a fake node is released")
     add_spot_watcher_parser(sub)
     add_chaos_parser(sub)
@@ -42,18 +54,18 @@ def add_spot_watcher_parser(sub) -> None:
 
     watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption")
     watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL, help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
-    watcher.add_argument("--interval-s", type=float, default=5.0, help="seconds between polls (default 5, as AWS advises)")
+    watcher.add_argument("--interval-s", type=finite_float, default=5.0, help="seconds between polls (default 5, as AWS advises)")
     watcher.add_argument("--address", default=None,
                          help="Ray GCS host:port (default: $RAY_ADDRESS, else the cluster `ray start` joined here)")
     watcher.add_argument("--node-id", default=None,
                          help="hex id of the node to drain (default: the one raylet of this cluster on this host)")
     watcher.add_argument("--on-rebalance", choices=REBALANCE_POLICIES, default="log",
                          help="on an EC2 rebalance recommendation: ignore it, log it (default), or drain early")
-    watcher.add_argument("--rebalance-deadline-s", type=float, default=600.0,
+    watcher.add_argument("--rebalance-deadline-s", type=finite_float, default=600.0,
                          help="drain deadline after a rebalance recommendation with --on-rebalance drain (default 600)")
     watcher.add_argument("--token-ttl-s", type=int, default=MAX_TOKEN_TTL_S,
                          help=f"IMDSv2 session token lifetime, 1..{MAX_TOKEN_TTL_S} (default {MAX_TOKEN_TTL_S})")
-    watcher.add_argument("--max-backoff-s", type=float, default=60.0,
+    watcher.add_argument("--max-backoff-s", type=finite_float, default=60.0,
                          help="longest wait between polls while IMDS is unreachable (default 60)")
     watcher.add_argument("--once", action="store_true",
                          help="poll once, drain on a notice, and exit (1 if IMDS is unreachable)")
@@ -70,7 +82,7 @@ def add_chaos_parser(sub) -> None:
     chaos.add_argument("--seed", type=int, default=None, help="seed for the random choice of target")
     chaos.add_argument("--node-id", default=None, help="only consider this node (hex id)")
     chaos.add_argument("--allow-head", action="store_true", help="the head node may be a target")
-    chaos.add_argument("--deadline-s", type=float, default=30.0, help="drain-node: deadline in seconds (default 30)")
+    chaos.add_argument("--deadline-s", type=finite_float, default=30.0, help="drain-node: deadline in seconds (default 30)")
     chaos.add_argument("--dry-run", action="store_true", help="print the target and what would be done; touch nothing")
 
 

@@ -8,6 +8,8 @@ import pytest
 from cli_probe import run_cases
 from conftest import REPO
 
+BAD = REPO / "tests" / "bad_configs"
+
 BAD_INPUT = [
     (["--set", "optim.lr=-1"], "optim.lr: Input should be greater than 0"),
     (["--set", "train.precsion=bf16"], "train.precsion: unknown key"),
@@ -19,6 +21,19 @@ BAD_INPUT = [
     (["--set", "train.global_batch_size=5000"], "train.global_batch_size 5000 is larger than the"),
     (["--set", "checkpoint.storage_path=/proc/nope"], "checkpoint.storage_path /proc/nope is not writable"),
     (["--name", "bad name!"], "name: String should match pattern"),
+    ([str(BAD / "binary.yaml")], "binary.yaml is not UTF-8 text"),
+    ([str(BAD / "self_alias.yaml")], "a YAML alias refers to a value that contains it (line 4)"),
+    ([str(BAD / "duplicate_keys.yaml")], "duplicate key 'seed' (first at line 1)"),
+    ([str(BAD / "empty.yaml")], "empty.yaml is empty"),
+    ([str(BAD / "alias_bomb.yaml")], "expands to more than 100000 values through YAML aliases"),
+    (["--set", "optim..lr=1"], "'optim..lr' has an empty part"),
+    (["--set", "optim.betas=[2, -1]"], "optim.betas.0: Input should be less than 1"),
+    (["--set", "seed=-1"], "seed: Input should be greater than or equal to 0"),
+    (["--set", f"seed={2 ** 80}"], "seed: Input should be less than 4294967296"),
+    (["--set", "train.max_steps=1000000000000000"], "train.max_steps: Input should be less than or equal to"),
+    (["--set", "scaling.num_workers=true"], "scaling.num_workers"),
+    (["--set", "scaling.resources_per_worker={GPU: -1}"], "scaling.resources_per_worker.GPU: Input should be greater"),
+    (["--set", "tracking.tracking_uri=http://alice:S3cretPassw0rd@127.0.0.1:9/"], "alice:***@127.0.0.1:9"),
 ]
 
 
@@ -28,6 +43,7 @@ def test_bad_input_exits_2_before_ray(bad_input, args, message):
     assert result["returncode"] == 2, result["stderr"] + result["stdout"]
     assert message in result["stderr"]
     assert "Traceback" not in result["stderr"]
+    assert "S3cretPassw0rd" not in result["stderr"] + result["stdout"]
     assert not result["ray_imported"], "Ray was imported on a bad-input path"
     assert list(cwd.iterdir()) == []  # nothing written: no data, no runs, no mlflow.db
 
