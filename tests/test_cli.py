@@ -34,6 +34,11 @@ BAD_INPUT = [
     (["--set", "scaling.num_workers=true"], "scaling.num_workers"),
     (["--set", "scaling.resources_per_worker={GPU: -1}"], "scaling.resources_per_worker.GPU: Input should be greater"),
     (["--set", "tracking.tracking_uri=http://alice:S3cretPassw0rd@127.0.0.1:9/"], "alice:***@127.0.0.1:9"),
+    (["--set", "checkpoint.storage_path=s3://"], "checkpoint.storage_path: 's3://' names no bucket or host"),
+    (["--set", "checkpoint.storage_path=s3:///runs"], "checkpoint.storage_path: 's3:///runs' names no bucket"),
+    (["--set", "checkpoint.storage_path=''"], "checkpoint.storage_path: must not be empty"),
+    (["--set", "checkpoint.storage_path=foo://bar/runs"], "Unrecognized filesystem type in URI: foo://bar/runs"),
+    (["--set", "tracking.experiment=''"], "tracking.experiment: String should have at least 1 character"),
 ]
 
 

@@ -25,6 +25,19 @@ class ModelConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+def _storage_location(value: Optional[str]) -> Optional[str]:
+    """A local path or a URI with a bucket or host: "" and "s3://" (which would be a local folder
+    named "s3:") are refused here; a scheme pyarrow does not know, when the storage is first tried."""
+    if value is None:
+        return value
+    if not value.strip():
+        raise ValueError("must not be empty: a local path, or a URI such as s3://bucket/prefix")
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme != "file" and not rest.split("/", 1)[0]:
+        raise ValueError(f"{value!r} names no bucket or host: write {scheme}://BUCKET/prefix")
+    return value
+
+
 class DataConfig(Section):
     # A built-in source (digits, tinylm) or a plug-in "package.module:function".
     source: str = "digits"
@@ -32,6 +45,11 @@ class DataConfig(Section):
     # Where prepared Parquet shards are cached; default: <checkpoint.storage_path>/datasets.
     cache_dir: Optional[str] = None
     num_shards: int = Field(4, ge=1, le=4096)
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir(cls, value):
+        return _storage_location(value)
 
 
 class OptimConfig(Section):
@@ -151,6 +169,11 @@ class CheckpointConfig(Section):
     # sync: training waits while a checkpoint is copied to storage; async: training goes on and
     # Ray Train uploads in the background (the checkpoint counts once uploaded).
     upload: Literal["sync", "async"] = "sync"
+
+    @field_validator("storage_path")
+    @classmethod
+    def _storage_path(cls, value):
+        return _storage_location(value)
 
 
 class TrackingConfig(Section):

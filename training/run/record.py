@@ -31,8 +31,8 @@ class RunRecord:
             if not storage.exists(uri):
                 return None
             text = storage.read_text(uri)
-        except OSError as exc:
-            raise UserError(f"{what} is not reachable: {str(exc).splitlines()[0][:300]}") from None
+        except (OSError, ValueError) as exc:  # (pyarrow's ArrowInvalid, for a URI it cannot use, is a ValueError)
+            raise UserError(redact(f"{what} is not reachable: {str(exc).splitlines()[0][:300]}")) from None
         try:
             raw = json.loads(text)
             identity = raw["identity"]
