@@ -43,7 +43,7 @@ def offering_checks(config: dict, facts: AwsFacts) -> list[CheckResult]:
 
 
 def spot_history_checks(facts: AwsFacts) -> list[CheckResult]:
-    return [passed(f"spot_price:{name}", f"{points} recent spot price points") if points else
+    return [passed(f"spot_price:{name}", f"a current spot price in {points} zone(s)") if points else
             warned(f"spot_price:{name}", "no spot price history: spot capacity may be unavailable here")
             for name, points in sorted(facts.spot_history.items())]
 

@@ -69,6 +69,28 @@ def service_quota_lookup(session: Any, region: str) -> QuotaLookup:
     return lookup
 
 
+def current_spot_prices(ec2: Any, instance_type_name: str, zones=()) -> dict[str, float]:
+    """zone -> the Linux/UNIX spot price in effect now for one instance type, in `zones` (default:
+    every zone of the region). One history query from now on (StartTime=now: each zone's current
+    price), for Linux/UNIX only, read to its last page: unfiltered, other operating systems and
+    older points fill the first page and zones go missing."""
+    import datetime
+
+    query = {"InstanceTypes": [instance_type_name], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+             "StartTime": datetime.datetime.now(datetime.timezone.utc)}
+    if zones:
+        query["Filters"] = [{"Name": "availability-zone", "Values": sorted(zones)}]
+    latest: dict[str, tuple] = {}
+    for page in ec2.get_paginator("describe_spot_price_history").paginate(**query):
+        for point in page["SpotPriceHistory"]:
+            zone = point["AvailabilityZone"]
+            if not point["ProductDescription"].startswith("Linux/UNIX") or (zones and zone not in zones):
+                continue
+            if zone not in latest or point["Timestamp"] > latest[zone][0]:
+                latest[zone] = (point["Timestamp"], float(point["SpotPrice"]))
+    return {zone: price for zone, (_, price) in latest.items()}
+
+
 def gather_facts(config: dict, session: Any = None, quota_lookup: QuotaLookup | None = None) -> AwsFacts:
     """Ask AWS about every resource the config names. Errors that mean "not there" become facts;
     any other error (no network, access denied) propagates to the caller."""
@@ -105,8 +127,7 @@ def gather_facts(config: dict, session: Any = None, quota_lookup: QuotaLookup | 
 
     spot_history = {}
     for name in sorted({instance_type(spec) for spec in node_types if is_spot(spec)}):
-        history = ec2.describe_spot_price_history(InstanceTypes=[name], MaxResults=20)["SpotPriceHistory"]
-        spot_history[name] = sum(1 for point in history if point["ProductDescription"].startswith("Linux/UNIX"))
+        spot_history[name] = len(current_spot_prices(ec2, name))
 
     quotas, notes = {}, {}
     lookup = quota_lookup or service_quota_lookup(session, region)

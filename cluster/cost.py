@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from cluster.aws_facts import current_spot_prices
 from cluster.checks import declared_gpus, head_type, instance_type, is_spot, worker_types, zones
 from cluster.prices import PriceTable
 
@@ -110,13 +111,7 @@ def refresh_spot_prices(config: dict, session: Any = None) -> dict[str, float]:
     listed = set(zones(config))
     prices = {}
     for name in sorted({instance_type(s) for s in config["available_node_types"].values() if is_spot(s)}):
-        history = ec2.describe_spot_price_history(InstanceTypes=[name], MaxResults=100)["SpotPriceHistory"]
-        latest: dict[str, tuple] = {}
-        for point in history:
-            zone = point["AvailabilityZone"]
-            if point["ProductDescription"].startswith("Linux/UNIX") and (not listed or zone in listed):
-                if zone not in latest or point["Timestamp"] > latest[zone][0]:
-                    latest[zone] = (point["Timestamp"], float(point["SpotPrice"]))
+        latest = current_spot_prices(ec2, name, listed)
         if latest:
-            prices[name] = statistics.median(price for _, price in latest.values())
+            prices[name] = statistics.median(latest.values())
     return prices

@@ -98,3 +98,32 @@ def test_negative_hours_are_bad_input(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cluster", "cost", str(REPO / "cluster.yaml"), "--hours", "-1"],
                           cwd=REPO, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--hours" in done.stderr
+
+
+def test_current_spot_prices_reads_every_page_for_linux_from_now_in_the_given_zones():
+    """What moto cannot show (it ignores the filters and never pages): the query AWS gets, checked
+    by botocore's own Stubber, and the answer read across pages."""
+    import datetime
+
+    import boto3
+    from botocore.stub import ANY, Stubber
+
+    from cluster.aws_facts import current_spot_prices
+
+    ec2 = boto3.client("ec2", region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+    at = lambda minute: datetime.datetime(2026, 12, 1, 12, minute, tzinfo=datetime.timezone.utc)  # noqa: E731
+    point = lambda zone, price, minute, os_="Linux/UNIX": {  # noqa: E731
+        "AvailabilityZone": zone, "SpotPrice": str(price), "Timestamp": at(minute), "ProductDescription": os_,
+        "InstanceType": "g5.xlarge"}
+    query = {"InstanceTypes": ["g5.xlarge"], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+             "StartTime": ANY, "Filters": [{"Name": "availability-zone", "Values": ["us-west-2a", "us-west-2b"]}]}
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_spot_price_history", {"SpotPriceHistory": [
+            point("us-west-2a", 0.40, 1), point("us-west-2a", 0.90, 5, "Windows")], "NextToken": "page-2"}, query)
+        stub.add_response("describe_spot_price_history", {"SpotPriceHistory": [
+            point("us-west-2a", 0.42, 7), point("us-west-2b", 0.50, 3), point("us-west-2c", 0.10, 3)]},
+            {**query, "NextToken": "page-2"})
+        prices = current_spot_prices(ec2, "g5.xlarge", {"us-west-2a", "us-west-2b"})
+        stub.assert_no_pending_responses()
+    # the newest Linux price of each listed zone: the second page's for 2a, never Windows, never 2c
+    assert prices == {"us-west-2a": 0.42, "us-west-2b": 0.50}
