@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from conftest import wait_for
 from training.adaptors import mlflow_private, ray_private
 
 
@@ -38,8 +39,11 @@ def test_ray_recorded_address_helpers_exist(tmp_path, monkeypatch):
 def test_ray_placement_group_table_fields(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    import ray
+
     group = placement_group([{"CPU": 0.01}])
     try:
+        ray.get(group.ready(), timeout=60)  # created before it is removed: a removal racing its creation
         found = {g.placement_group_id.hex(): g for g in ray_private.placement_groups()}
         mine = found[group.id.hex()]
         # The fields tuning/resources.py reads to find a dead trial's group.
@@ -49,6 +53,10 @@ def test_ray_placement_group_table_fields(ray_cluster):
         assert mine.creator_job_id.hex() == ray_cluster.get_runtime_context().get_job_id()
     finally:
         remove_placement_group(group)
+        # and its 0.01 CPU given back: the next test on this shared cluster places 2 workers of 1 CPU
+        # (once left at 1.99 CPUs, a Ray Train group waited for placement forever)
+        wait_for(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"], 60,
+                 "the placement group's CPU given back")
 
 
 @pytest.mark.ray
