@@ -15,8 +15,8 @@ from typing import Callable, Optional
 from training import config as config_lib
 from training import storage
 from training.config import JobConfig
-from training.redaction import redact
 from training.errors import UserError
+from training.redaction import redact
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
 from training.run.record import RunRecord
 
@@ -122,8 +122,7 @@ def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord],
     tags = {RUN_NAME_TAG: name, "git_commit": git_commit(), "ray_version": ray.__version__,
             "torch_version": torch.__version__, "world_size": str(job.scaling.num_workers),
             "mlflow.runName": name, **(extra_tags or {})}
-    if record is not None:
-        record.check_tracking(paths.tracking_uri)
+    if record is not None:  # (tracked where it was: preflight.check_tracking, before the data)
         run_id = record.mlflow_run_id
     try:
         tracker = MlflowTracker.start(paths.tracking_uri, job.tracking.experiment, name, run_id, tags,

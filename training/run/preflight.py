@@ -13,8 +13,8 @@ from typing import Callable
 from training import storage
 from training.config import DataConfig, JobConfig
 from training.errors import ConfigError, UserError
-from training.redaction import redact
 from training.metrics import VALIDATION_METRICS
+from training.redaction import redact
 from training.run.paths import RunPaths
 
 # (task, spec, rows per split) -> None; raises UserError
