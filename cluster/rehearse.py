@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -127,8 +128,15 @@ def rehearse(path: str | os.PathLike, gpu_workers: int = 2, idle_timeout_s: floa
     (workdir / "autoscaling.yaml").write_text(yaml.safe_dump(config))
     head_resources = config["available_node_types"][FAKE_HEAD_TYPE]["resources"]
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token", "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    # Token authentication on, with a token of the rehearsal's own (what `ray get-auth-token --generate`
+    # writes): `ray start` in token mode refuses to start without one, and the user's ~/.ray/auth_token
+    # (for a real cluster) is neither needed nor touched.
+    token = workdir / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    env.pop("RAY_AUTH_TOKEN", None)
     echo(f"rehearsal: node types {', '.join(config['available_node_types'])}; head {head_resources}; "
          f"idle timeout {idle_timeout_s:g} s; config {workdir / 'autoscaling.yaml'}")
     head = subprocess.Popen(

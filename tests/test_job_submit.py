@@ -3,6 +3,7 @@ local head with token authentication on, exactly as a user submits from a laptop
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,11 +21,16 @@ BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def head():
+def head(tmp_path_factory):
     # Every port of its own: the defaults (the job agent's 52365 among them) may be another Ray's on
     # this machine, and an agent that cannot bind leaves the head unable to take jobs.
     port, dashboard_port, agent_port = free_port(), free_port(), free_port()
+    # A token of the test's own (what `ray get-auth-token --generate` writes), shared by the head and
+    # its clients: `ray start` in token mode does not start without one, and ~/.ray is not the test's.
+    token = tmp_path_factory.mktemp("token") / "auth_token"
+    token.write_text(secrets.token_hex(32))
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token),
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
     process = subprocess.Popen(
         [f"{BIN}/ray", "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard_port}",
