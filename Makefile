@@ -34,8 +34,10 @@ setup: $(STAMP)
 run: setup
 	$(PY) -m training $(CONFIG) $(ARGS)
 
+# Two lanes: every Ray test in order on one worker, the tests without Ray on the other beside it
+# (tests/conftest.py groups them). Ray tests never run two at a time.
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 
 bench: setup
 	$(PY) -m bench $(ARGS)

@@ -126,11 +126,21 @@ def _uses_shared_cluster(item) -> bool:
 def pytest_collection_modifyitems(session, config, items):
     """Modules with a test on the shared cluster run last, in their usual order, so that the shared
     cluster starts once. Tests keep their order within a module (module fixtures stay shared).
-    The quick bench runs just before them, after the other tests that start their own Ray."""
+    The quick bench runs just before them, after the other tests that start their own Ray.
+
+    Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every Ray test is in one group, run in
+    this order by one worker, one at a time (two Ray clusters at once on 2 cores slow both, and the
+    shared cluster is a worker's own); the tests without Ray run on the other worker beside them,
+    on the CPU that a Ray test leaves idle while it waits on a restart, a node or a sweep."""
     modules = list(dict.fromkeys(item.module.__name__ for item in items))
     shared = {item.module.__name__ for item in items if _uses_shared_cluster(item)}
     rank = {name: (name in shared, name == "test_bench", index) for index, name in enumerate(modules)}
     items.sort(key=lambda item: rank[item.module.__name__])
+
+
+def pytest_itemcollected(item):
+    if item.get_closest_marker("ray"):  # (marked here, before pytest-xdist reads the marks)
+        item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def pytest_runtest_teardown(item, nextitem):

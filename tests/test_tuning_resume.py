@@ -16,13 +16,15 @@ from conftest import REPO, tracked_history
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 
-# long enough that the kill lands mid-run while MLflow catches up with the first checkpoints
-STEPS = 1000
+# The second trial is long enough that the kill lands mid-run while MLflow catches up with its first
+# checkpoints; the first, which only has to finish before it, is short (a grid runs in its order,
+# one trial at a time here).
+FIRST_STEPS, STEPS = 100, 1000
 SWEEP = f"""base: {REPO / 'training' / 'configs' / 'digits.yaml'}
-set: [train.max_steps={STEPS}, train.eval_every_n_steps=20, checkpoint.every_n_steps=20, train.log_every_n_steps=10,
+set: [train.eval_every_n_steps=20, checkpoint.every_n_steps=20, train.log_every_n_steps=10,
       train.min_report_interval_s=0, tracking.experiment=sweeps]
 space:
-  optim.lr: {{grid: [0.03, 0.01]}}
+  train.max_steps: {{grid: [{FIRST_STEPS}, {STEPS}]}}
 num_samples: 1
 max_concurrent_trials: 1
 trial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}
@@ -61,6 +63,7 @@ def test_a_sweep_whose_driver_was_killed_resumes_with_the_same_command(ray_clust
     driver.wait()
     (done,) = finished
     done_summary = (done / "summary.json").read_text()
+    assert json.loads(done_summary)["steps"] == FIRST_STEPS
     interrupted = running[0]
     steps_at_kill = max(int(p.name.split("-")[1]) for p in interrupted.glob("checkpoint-*"))
     assert steps_at_kill < STEPS
