@@ -4,6 +4,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,6 +109,14 @@ def ray_cluster():
     end (see pytest_collection_modifyitems and pytest_runtest_teardown below)."""
     import ray
 
+    if _shared["up"] and ray.is_initialized() and not _all_cpus_free(ray, timeout_s=30):
+        # What an earlier test left holding CPUs (seen: a PBT sweep's trial whose Train controller
+        # and 0.5-CPU worker group outlived the sweep) would leave this test's workers unplaceable, and
+        # Ray Train retries an unplaceable group without end: start a clean cluster instead.
+        warnings.warn(f"the shared Ray cluster still had CPUs held after the last test "
+                      f"({ray.available_resources().get('CPU', 0):g} of {ray.cluster_resources().get('CPU', 0):g} free): "
+                      "restarted it")
+        _stop_shared_cluster()
     if not (_shared["up"] and ray.is_initialized()):
         from training.run.session import live_local_cluster
 
@@ -117,6 +126,18 @@ def ray_cluster():
         ray.init(address="local", num_cpus=2, log_to_driver=True)
         _shared["up"] = True
     yield ray
+
+
+def _all_cpus_free(ray, timeout_s: float) -> bool:
+    """Whether every CPU of the connected cluster is free (none held by an actor or a placement
+    group) within timeout_s: what a finished run holds is given back a little after it ends."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _uses_shared_cluster(item) -> bool:
