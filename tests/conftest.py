@@ -109,7 +109,7 @@ def ray_cluster():
     end (see pytest_collection_modifyitems and pytest_runtest_teardown below)."""
     import ray
 
-    if _shared["up"] and ray.is_initialized() and not _all_cpus_free(ray, timeout_s=30):
+    if _shared["up"] and ray.is_initialized() and not _all_cpus_free(ray, timeout_s=10):
         # What an earlier test left holding CPUs (seen: a PBT sweep's trial whose Train controller
         # and 0.5-CPU worker group outlived the sweep) would leave this test's workers unplaceable, and
         # Ray Train retries an unplaceable group without end: start a clean cluster instead.
