@@ -91,7 +91,7 @@ def test_job_submit_runs_training_on_the_cluster(head, tmp_path, empty_mlflow_db
 
 SWEEP = """
 base: training/configs/digits.yaml
-set: [train.max_steps=40, train.eval_every_n_steps=20, checkpoint.every_n_steps=20, tracking.experiment=submitted-sweeps]
+set: [train.max_steps=400, train.eval_every_n_steps=200, checkpoint.every_n_steps=200, tracking.experiment=submitted-sweeps]
 space:
   optim.lr: {loguniform: [0.01, 0.05]}
 search: {algorithm: optuna, seed: 0}
@@ -139,7 +139,7 @@ def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_p
                                 capture_output=True, text=True, timeout=60).stdout
         demands = [line for line in status.split("Demands:", 1)[-1].splitlines()
                    if "{'CPU': 1.0}" in line and "pending placement group" in line]
-        time.sleep(2)
+        time.sleep(0.5)  # (the second trial waits only while the first trains: a window of seconds)
     output, _ = submit.communicate(timeout=600)
     (tmp_path / "job-output.txt").write_text(output)  # for a look when something below fails
     assert submit.returncode == 0, output[-4000:]
