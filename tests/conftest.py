@@ -131,13 +131,12 @@ def ray_cluster():
 def _all_cpus_free(ray, timeout_s: float) -> bool:
     """Whether every CPU of the connected cluster is free (none held by an actor or a placement
     group) within timeout_s: what a finished run holds is given back a little after it ends."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
+    try:
+        wait_for(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0,
+                 timeout_s, "every CPU free")
+        return True
+    except AssertionError:
+        return False
 
 
 def _uses_shared_cluster(item) -> bool:
