@@ -21,6 +21,19 @@ def test_ray_train_preemption_deadline_default_is_a_positive_number():
     assert ray_private.default_preemption_deadline_s() > 0
 
 
+def test_ray_train_upload_retry_markers_are_what_ray_trains_upload_retry_matches():
+    """training/checkpoint/upload.py keeps these texts out of the error it gives up with, so that
+    Ray Train's retry of `_upload_checkpoint` does not start a failed upload over."""
+    from ray._common.retry import format_exception, matches_error
+
+    markers = ray_private.checkpoint_upload_retry_markers()
+    assert markers and all(isinstance(m, str) for m in markers)
+    retried = OSError(f"When uploading: {markers[0]} during PutObject operation")
+    assert any(matches_error(m, format_exception(retried)) for m in markers)
+    lowered = OSError(str(retried).replace(markers[0], markers[0].lower()))
+    assert not any(matches_error(m, format_exception(lowered)) for m in markers)
+
+
 def test_ray_train_report_logger_is_found_and_quieted():
     from ray.train.v2._internal.execution import context
 

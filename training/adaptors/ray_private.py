@@ -28,6 +28,15 @@ def default_preemption_deadline_s() -> float:
     return float(DEFAULT_PREEMPTION_DEADLINE_S)
 
 
+def checkpoint_upload_retry_markers() -> tuple[str, ...]:
+    """The texts that make Ray Train retry a whole checkpoint upload (`_upload_checkpoint` retries
+    when the error's message contains one): an upload that retries on its own keeps them out of
+    the error it gives up with."""
+    from ray.train.v2._internal.constants import AWS_RETRYABLE_TOKENS
+
+    return tuple(AWS_RETRYABLE_TOKENS)
+
+
 def quiet_report_logs() -> None:
     """Ray Train logs every report at INFO from a logger named after its context module's file;
     raise that logger to WARNING (the controller prints one progress line per report instead)."""

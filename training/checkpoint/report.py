@@ -11,14 +11,27 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from typing import Optional
 
 import ray.train
 import torch
 from ray.train import CheckpointUploadMode
 
 from training.checkpoint import format as ckpt
-from training.checkpoint.upload import upload_fn
+from training.checkpoint.upload import RetryPolicy, upload_fn
 from training.config import JobConfig
+from training.worker.policy import Preemption
+
+# What a synchronous (preemption) upload leaves free before the deadline, for Ray Train to register it.
+DEADLINE_SLACK_S = 2.0
+
+
+def synchronous_upload_budget_s(deadline_s: Optional[float], now_s: float) -> float:
+    """The seconds a synchronous upload may spend retrying: what the preemption deadline leaves
+    (less a slack), or, with no deadline known, the least that a final save is given before one."""
+    if deadline_s is None:
+        return Preemption.margin_s
+    return max(0.0, deadline_s - now_s - DEADLINE_SLACK_S)
 
 
 class CheckpointReporter:
@@ -31,11 +44,14 @@ class CheckpointReporter:
         self.asynchronous = job.checkpoint.upload == "async"
         self.config = job.model_dump(mode="json")
         self.steps_per_epoch, self.world_size = steps_per_epoch, world_size
-        self.upload = upload_fn(run_dir)  # meta.json last, storage errors retried
+        self.run_dir, self.retry = run_dir, RetryPolicy()
+        self.upload = upload_fn(run_dir, self.retry)  # meta.json last, storage errors retried
         self.cost: dict = {}  # what the last checkpoint cost the training loop, reported with the next metrics
 
-    def report(self, metrics: dict, loop: ckpt.LoopState, *, checkpoint: bool, synchronous: bool) -> None:
-        """`synchronous`: the checkpoint counts only once uploaded (before a preemption deadline)."""
+    def report(self, metrics: dict, loop: ckpt.LoopState, *, checkpoint: bool, synchronous: bool,
+               deadline_s: Optional[float] = None) -> None:
+        """`synchronous`: the checkpoint counts only once uploaded (before a preemption deadline);
+        its upload stops retrying in time for `deadline_s` (time.time()), when given."""
         metrics = {**metrics, **self.cost}
         if not (checkpoint and self.writes):
             ray.train.report(metrics)
@@ -46,6 +62,8 @@ class CheckpointReporter:
                    sharded=self.sharded, loop=loop, config=self.config, steps_per_epoch=self.steps_per_epoch,
                    world_size=self.world_size, metrics=metrics)
         asynchronous = self.asynchronous and not synchronous
+        upload = self.upload if not synchronous else upload_fn(
+            self.run_dir, self.retry.within(synchronous_upload_budget_s(deadline_s, time.time())))
         saved_s = time.perf_counter() - save_start
         size = ckpt.written_bytes(directory)
         try:
@@ -53,7 +71,7 @@ class CheckpointReporter:
                 metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step),
                 checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
-                delete_local_checkpoint_after_upload=asynchronous, checkpoint_upload_fn=self.upload)
+                delete_local_checkpoint_after_upload=asynchronous, checkpoint_upload_fn=upload)
         finally:
             if not asynchronous:
                 shutil.rmtree(directory, ignore_errors=True)

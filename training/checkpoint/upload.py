@@ -5,6 +5,13 @@ Two things Ray's default copy does not: files go in the format's order, meta.jso
 directory with meta.json and every file at its recorded size is complete (see format.py); and a
 transient storage error (a dropped connection, a throttled request, an endpoint restarting) is
 retried with backoff and logged, instead of failing the worker and costing a restart.
+
+This is the only retry layer around an upload. Ray Train wraps `checkpoint_upload_fn` in its own
+retry (three runs of the whole function when the error's text names a retryable AWS error), which
+would multiply with ours: 3 x 6 attempts and well over a minute blocked in a synchronous upload,
+while a preemption's final save has only what is left before the deadline. So one budget (attempts
+and seconds) covers the whole upload, every file together, and the error that ends it is worded so
+that Ray's retry does not start it over (see `UploadFailed`).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pyarrow.fs as pafs
 
@@ -26,38 +33,88 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """How long one whole upload may keep trying: `attempts` failures at most, and never a wait
+    that would end past `budget_s` seconds after the upload began."""
+
     attempts: int = 6
     first_delay_s: float = 1.0
     max_delay_s: float = 30.0
+    budget_s: float = 120.0
 
-    def delay_s(self, failures: int) -> float:
-        return exponential_backoff_s(failures, self.first_delay_s, self.max_delay_s)
+    def within(self, budget_s: Optional[float]) -> "RetryPolicy":
+        """This policy with at most `budget_s` seconds (None: unchanged)."""
+        if budget_s is None:
+            return self
+        return RetryPolicy(self.attempts, self.first_delay_s, self.max_delay_s, max(0.0, min(self.budget_s, budget_s)))
+
+    def delay_s(self, failures: int, elapsed_s: float) -> Optional[float]:
+        """The wait before the next attempt after `failures` failures, `elapsed_s` into the upload;
+        None: give up (no attempts left, or the wait would end past the budget)."""
+        if failures >= self.attempts:
+            return None
+        delay = exponential_backoff_s(failures, self.first_delay_s, self.max_delay_s)
+        return delay if elapsed_s + delay < self.budget_s else None
+
+
+class UploadFailed(OSError):
+    """An upload that used up its retries. Its message leaves out the storage error's retryable
+    markers ("AWS Error NETWORK_CONNECTION", ...), which Ray Train's retry of the upload function
+    looks for in the message alone: a failed upload is not started over. The rest of the storage's
+    message stays (Ray re-raises it `from None`, so the chained cause is not shown)."""
+
+    @classmethod
+    def of(cls, what: str, failures: int, elapsed_s: float, cause: BaseException) -> "UploadFailed":
+        from training.adaptors.ray_private import checkpoint_upload_retry_markers
+
+        reason = str(cause).splitlines()[0][:300] if str(cause) else type(cause).__name__
+        for marker in checkpoint_upload_retry_markers():
+            reason = reason.replace(marker, marker.lower())
+        return cls(f"{what} failed {failures} times in {elapsed_s:.0f} s; giving up: {reason}")
+
+
+class Retrier:
+    """One upload's retries: every action of the upload draws on the same policy and clock."""
+
+    def __init__(self, policy: RetryPolicy, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.policy, self.clock, self.sleep = policy, clock, sleep
+        self.started_s, self.failures = clock(), 0
+
+    def run(self, action: Callable[[], None], what: str) -> None:
+        while True:
+            try:
+                action()
+                return
+            except OSError as exc:  # pyarrow raises OSError subclasses for storage errors
+                self.failures += 1
+                elapsed = self.clock() - self.started_s
+                delay = self.policy.delay_s(self.failures, elapsed)
+                if delay is None:
+                    raise UploadFailed.of(what, self.failures, elapsed, exc) from exc
+                log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s used)", what,
+                            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, self.failures,
+                            self.policy.attempts - 1, delay, elapsed, self.policy.budget_s)
+                self.sleep(delay)
 
 
 def with_retries(action: Callable[[], None], what: str, policy: RetryPolicy = RetryPolicy(),
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-    for failures in range(1, policy.attempts + 1):
-        try:
-            action()
-            return
-        except OSError as exc:  # pyarrow raises OSError subclasses for storage errors
-            if failures == policy.attempts:
-                raise OSError(f"{what} failed {failures} times; giving up: {exc}") from exc
-            delay = policy.delay_s(failures)
-            log.warning("%s failed (%s); retry %d of %d in %.0f s", what, str(exc).splitlines()[0][:200],
-                        failures, policy.attempts - 1, delay)
-            sleep(delay)
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    Retrier(policy, clock, sleep).run(action, what)
 
 
-def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPolicy = RetryPolicy()) -> tuple[pafs.FileSystem, str]:
-    """Copy a checkpoint directory to run_dir/dir_name, meta.json last; returns (filesystem, path)."""
+def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPolicy = RetryPolicy(), *,
+           sleep: Callable[[float], None] = time.sleep,
+           clock: Callable[[], float] = time.monotonic) -> tuple[pafs.FileSystem, str]:
+    """Copy a checkpoint directory to run_dir/dir_name, meta.json last; returns (filesystem, path).
+    Raises UploadFailed once the policy's attempts or seconds are used up, all files together."""
     fs, destination = storage.filesystem(storage.join(run_dir, dir_name))
     local = pafs.LocalFileSystem()
-    with_retries(lambda: fs.create_dir(destination, recursive=True), f"creating {destination}", policy)
+    retrier = Retrier(policy, clock, sleep)
+    retrier.run(lambda: fs.create_dir(destination, recursive=True), f"creating {destination}")
     for name in ckpt.upload_order(p.name for p in Path(local_dir).iterdir()):
         source, target = str(Path(local_dir) / name), f"{destination}/{name}"
-        with_retries(lambda: pafs.copy_files(source, target, source_filesystem=local, destination_filesystem=fs),
-                     f"uploading {name} to {destination}", policy)
+        retrier.run(lambda: pafs.copy_files(source, target, source_filesystem=local, destination_filesystem=fs),
+                    f"uploading {name} to {destination}")
     return fs, destination
 
 
