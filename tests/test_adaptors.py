@@ -107,3 +107,45 @@ def test_mlflow_messages_carry_run_metrics_and_status():
     assert batch.run_id == "r1" and batch.metrics[0].key == "loss" and batch.metrics[0].step == 3
     update = mlflow_private.update_run_message("r1", "FINISHED", 2000)
     assert update.run_id == "r1" and update.end_time == 2000 and update.status != 0
+
+
+SECRETS = ["mlflow-cluster.db", "slurm-1234.out", "deploy.pem", ".env", ".ray/session_latest/logs/raylet.out",
+           "nested/.env", "nested/key.pem"]
+
+
+def working_copy(tmp_path, gitignore: bool):
+    """A working directory as a user's, with the files that must stay on their machine."""
+    from pathlib import Path
+
+    root = tmp_path / "repo"
+    for name in ["training/__init__.py", "train.yaml", *SECRETS]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")
+    if gitignore:
+        (root / ".gitignore").write_text((Path(__file__).parents[1] / ".gitignore").read_text())
+    return root
+
+
+def test_ray_working_dir_packing_honours_gitignore_and_excludes(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", raising=False)
+    root = working_copy(tmp_path, gitignore=False)
+    (root / ".gitignore").write_text("train.yaml\n")
+    shipped = ray_private.working_dir_upload_files(str(root), excludes=["*.pem"])
+    assert "training/__init__.py" in shipped and "train.yaml" not in shipped
+    assert "deploy.pem" not in shipped and "nested/key.pem" not in shipped and ".env" in shipped
+
+
+def test_a_job_upload_leaves_out_the_mlflow_store_slurm_logs_keys_and_ray_state(tmp_path, monkeypatch):
+    """`ray job submit --working-dir .` ships what .gitignore lets through; plug-in source shipped
+    by the driver (py_modules) goes with UPLOAD_EXCLUDES, which hold even where .gitignore is off."""
+    from training.run.session import UPLOAD_EXCLUDES
+
+    monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", raising=False)
+    shipped = ray_private.working_dir_upload_files(str(working_copy(tmp_path, gitignore=True)), excludes=[])
+    assert "training/__init__.py" in shipped and "train.yaml" in shipped
+    assert not set(SECRETS) & set(shipped), set(SECRETS) & set(shipped)
+
+    monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "1")
+    shipped = ray_private.working_dir_upload_files(str(working_copy(tmp_path / "bare", gitignore=False)),
+                                                   excludes=UPLOAD_EXCLUDES)
+    assert "training/__init__.py" in shipped and not set(SECRETS) & set(shipped)

@@ -62,6 +62,25 @@ def forget_recorded_address() -> None:
     reset_ray_address()
 
 
+def working_dir_upload_files(directory: str, excludes: list[str]) -> list[str]:
+    """The files (paths relative to `directory`) that Ray would ship of it as a `working_dir` or in
+    `py_modules` with these `excludes`: Ray's own packing (it honours .gitignore and .rayignore,
+    .gitignore unless RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1), into a zip that is then read back."""
+    import os
+    import tempfile
+    import zipfile
+
+    from ray._private.ray_constants import RAY_RUNTIME_ENV_IGNORE_GITIGNORE
+    from ray._private.runtime_env.packaging import _zip_files
+
+    include_gitignore = os.environ.get(RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        package = os.path.join(tmp, "package.zip")
+        _zip_files(directory, list(excludes), package, include_gitignore=include_gitignore)
+        with zipfile.ZipFile(package) as archive:
+            return sorted(name for name in archive.namelist() if not name.endswith("/"))
+
+
 def placement_groups() -> list:
     """Every placement group in the GCS table, as `gcs_pb2.PlacementGroupTableData`: the only view
     that says which actor created a group and whether that actor is dead."""

@@ -26,6 +26,10 @@ TRAIN_ENV_DEFAULTS = {
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
 }
 
+# Never shipped to the cluster with local plug-in source (nor, through .gitignore, with a job's
+# --working-dir): the cluster's MLflow store copied here, Slurm logs, keys and secrets, Ray's state.
+UPLOAD_EXCLUDES = ["mlflow*.db", "slurm-*.out", "*.pem", ".env", ".ray/"]
+
 
 @dataclass(frozen=True)
 class RaySession:
@@ -57,7 +61,7 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
     # Started locally, Ray includes the dashboard: it serves the state API that Ray Train's
     # placement-group cleaner needs.
     ray.init(address=address, log_to_driver=log_to_driver, num_cpus=os.cpu_count() if own_cluster else None,
-             runtime_env={"py_modules": plugin_paths} if plugin_paths else None)
+             runtime_env={"py_modules": plugin_paths, "excludes": UPLOAD_EXCLUDES} if plugin_paths else None)
     try:
         yield RaySession(started=True, local_only=address == "local")
     finally:
