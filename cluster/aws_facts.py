@@ -35,12 +35,38 @@ QUOTA_CODES = {("G", "on-demand"): "L-DB2E81BA", ("G", "spot"): "L-3819A6DF",
                ("P", "on-demand"): "L-417A185B", ("P", "spot"): "L-7212CCBC"}
 
 
+# What botocore's own credential chain finds (environment, shared files, SSO, container, the EC2
+# instance profile through IMDS), run in a child process: the chain reads the process environment,
+# and `env` is the environment asked about. The metadata timeouts are set for the probe only, so a
+# laptop without IMDS answers in about two seconds at most (one try of 1 s for the IMDSv2 token,
+# one for the IMDSv1 fallback), whatever the user's own AWS_METADATA_SERVICE_* say.
+_CREDENTIALS_PROBE = "import boto3; c = boto3.Session().get_credentials(); print(c.method if c else '')"
+PROBE_METADATA_ENV = {"AWS_METADATA_SERVICE_TIMEOUT": "1", "AWS_METADATA_SERVICE_NUM_ATTEMPTS": "1"}
+PROBE_TIMEOUT_S = 20.0  # the child's import of boto3 on a loaded machine included
+
+
+def aws_credentials_source(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where boto3 would take credentials from under `env` (botocore's name for it: "env",
+    "shared-credentials-file", "iam-role" for an instance profile, ...), or None: no credentials,
+    a broken configuration, or a probe that did not answer in time."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _CREDENTIALS_PROBE], env={**env, **PROBE_METADATA_ENV},
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 def has_aws_credentials(env: Mapping[str, str] = os.environ) -> bool:
-    """Credentials in the environment or a shared credentials file (no metadata-service probe)."""
+    """Credentials in the environment or a shared credentials file (answered without a probe), or
+    anywhere else boto3's chain looks: on the head node that is the instance profile."""
     if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE"):
         return True
     shared = env.get("AWS_SHARED_CREDENTIALS_FILE") or str(Path(env.get("HOME", "~")).expanduser() / ".aws/credentials")
-    return Path(shared).is_file()
+    return Path(shared).is_file() or aws_credentials_source(env) is not None
 
 
 def quota_bucket(node_type: dict) -> str | None:

@@ -30,9 +30,14 @@ def costs():
     return priced
 
 
-def cost_cli(tmp_path, *args):
+def no_aws_env(tmp_path) -> dict:
+    """No credentials: no keys, no ~/.aws, and no instance profile even on an EC2 test runner."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["HOME"] = str(tmp_path)
+    return {**env, "HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def cost_cli(tmp_path, *args):
+    env = no_aws_env(tmp_path)
     done = subprocess.run([sys.executable, "-m", "cluster", "cost", str(REPO / "cluster.yaml"), *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -94,9 +99,8 @@ def test_workers_beyond_every_max_are_reported_not_priced(costs):
 
 
 def test_negative_hours_are_bad_input(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     done = subprocess.run([sys.executable, "-m", "cluster", "cost", str(REPO / "cluster.yaml"), "--hours", "-1"],
-                          cwd=REPO, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=no_aws_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--hours" in done.stderr
 
 

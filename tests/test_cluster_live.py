@@ -13,7 +13,6 @@ import yaml
 
 from aws import s3_env
 from cluster.aws_checks import quota_decision, required_vcpus
-from cluster.aws_facts import has_aws_credentials
 from cluster.checks import Status
 from cluster.config import load_and_prepare, load_cluster_yaml
 from cluster.cost import node_costs, refresh_spot_prices
@@ -74,15 +73,6 @@ def run_cli(*args, env, tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **env, "HOME": str(tmp_path)}
     return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
-
-
-def test_credentials_are_detected_from_env_or_profile(tmp_path):
-    assert has_aws_credentials({"AWS_ACCESS_KEY_ID": "x", "HOME": str(tmp_path)})
-    assert has_aws_credentials({"AWS_PROFILE": "dev", "HOME": str(tmp_path)})
-    assert not has_aws_credentials({"HOME": str(tmp_path)})
-    (tmp_path / ".aws").mkdir()
-    (tmp_path / ".aws" / "credentials").write_text("[default]\n")
-    assert has_aws_credentials({"HOME": str(tmp_path)})
 
 
 def test_a_good_config_passes_every_live_check(tmp_path, aws):

@@ -6,23 +6,18 @@ reason preemption and the watcher's message."""
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from aws import FakeImds, closed_port_url
 from cluster.cli import main as cluster_main
-from cluster.imds import (REBALANCE_PATH, SPOT_ACTION_PATH, TOKEN_HEADER, TOKEN_PATH, TTL_HEADER, ImdsClient,
-                          ImdsError, ImdsUnavailable, Notice)
+from cluster.imds import SPOT_ACTION_PATH, ImdsClient, ImdsError, ImdsUnavailable, Notice
 from cluster.spot_watcher import SpotPolicy, SpotWatcher
 from conftest import REPO, private_cluster
 
@@ -92,78 +87,11 @@ def test_policy_rejects_bad_settings():
         SpotPolicy(rebalance_deadline_s=-1)
 
 
-# ---------------------------------------------------------------- a fake IMDSv2 on loopback
-
-class FakeImds:
-    """EC2's metadata service as far as the watcher uses it: PUT a token (TTL header required,
-    1..21600), GETs only with a live token (401 otherwise), 404 until a notice is switched on."""
-
-    def __init__(self):
-        self.tokens: dict[str, float] = {}
-        self.spot: dict | None = None
-        self.rebalance: dict | None = None
-        self.puts = self.gets = self.unauthorized = 0
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status: int, body: str = "") -> None:
-                data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_PUT(self):
-                ttl = self.headers.get(TTL_HEADER, "")
-                if self.path != TOKEN_PATH:
-                    return self.reply(404)
-                if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
-                    return self.reply(400)
-                token = uuid.uuid4().hex
-                with fake.lock:
-                    fake.tokens[token] = time.monotonic() + int(ttl)
-                    fake.puts += 1
-                self.reply(200, token)
-
-            def do_GET(self):
-                with fake.lock:
-                    expires = fake.tokens.get(self.headers.get(TOKEN_HEADER, ""), 0.0)
-                    if expires <= time.monotonic():
-                        fake.unauthorized += 1
-                        return self.reply(401)
-                    fake.gets += 1
-                    notice = {SPOT_ACTION_PATH: fake.spot, REBALANCE_PATH: fake.rebalance}.get(self.path)
-                self.reply(200, json.dumps(notice)) if notice else self.reply(404)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def forget_tokens(self):
-        with self.lock:
-            self.tokens.clear()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def imds():
     server = FakeImds()
     yield server
     server.close()
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once closed
 
 
 def test_fake_imds_refuses_gets_without_a_token(imds):
