@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from cluster.checks import commands, flag_value, instance_type, is_spot
+from cluster.checks import commands, flag_value, instance_type, is_spot, zones
 
 QuotaLookup = Callable[[str], "float | None"]
 
@@ -151,9 +151,9 @@ def gather_facts(config: dict, session: Any = None, quota_lookup: QuotaLookup | 
             LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [name]}])
         offerings[name] = frozenset(offer["Location"] for offer in found["InstanceTypeOfferings"])
 
-    spot_history = {}
+    spot_history = {}  # in the zones the cluster launches in (default: the region's), as refresh_spot_prices
     for name in sorted({instance_type(spec) for spec in node_types if is_spot(spec)}):
-        spot_history[name] = len(current_spot_prices(ec2, name))
+        spot_history[name] = len(current_spot_prices(ec2, name, set(zones(config))))
 
     quotas, notes = {}, {}
     lookup = quota_lookup or service_quota_lookup(session, region)

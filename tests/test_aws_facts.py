@@ -69,3 +69,37 @@ def test_keys_profiles_and_shared_files_answer_without_a_probe(tmp_path):
 def test_metadata_turned_off_means_no_instance_profile(tmp_path, imds_with_profile):
     env = bare_env(tmp_path, AWS_EC2_METADATA_SERVICE_ENDPOINT=imds_with_profile.url, AWS_EC2_METADATA_DISABLED="true")
     assert not has_aws_credentials(env) and imds_with_profile.puts == 0
+
+
+def test_the_spot_check_asks_for_current_linux_prices_in_the_configs_zones_only():
+    """validate's spot_price check and `cost`'s refresh make the same query: Linux/UNIX, from now,
+    in the cluster's zones, every page (checked by botocore's Stubber: moto ignores the filters)."""
+    import boto3
+    from botocore.stub import ANY, Stubber
+
+    from cluster.aws_facts import gather_facts
+
+    ec2 = boto3.client("ec2", region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+
+    class Session:  # gather_facts asks its session for clients; only EC2 is called for this config
+        def client(self, name, region_name=None):
+            return ec2 if name == "ec2" else boto3.client(name, region_name=region_name, aws_access_key_id="x",
+                                                          aws_secret_access_key="x")
+
+    config = {"provider": {"type": "aws", "region": "us-west-2", "availability_zone": "us-west-2a,us-west-2b"},
+              "available_node_types": {"gpu_spot": {"node_config": {
+                  "InstanceType": "g5.xlarge", "InstanceMarketOptions": {"MarketType": "spot"}}}}}
+    point = {"AvailabilityZone": "us-west-2a", "SpotPrice": "0.4", "ProductDescription": "Linux/UNIX",
+             "InstanceType": "g5.xlarge", "Timestamp": "2026-12-01T12:00:00Z"}
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instance_types", {"InstanceTypes": [
+            {"InstanceType": "g5.xlarge", "VCpuInfo": {"DefaultVCpus": 4}}]}, {"InstanceTypes": ["g5.xlarge"]})
+        stub.add_response("describe_instance_type_offerings", {"InstanceTypeOfferings": [
+            {"InstanceType": "g5.xlarge", "Location": "us-west-2a", "LocationType": "availability-zone"}]},
+            {"LocationType": "availability-zone", "Filters": [{"Name": "instance-type", "Values": ["g5.xlarge"]}]})
+        stub.add_response("describe_spot_price_history", {"SpotPriceHistory": [point]}, {
+            "InstanceTypes": ["g5.xlarge"], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+            "StartTime": ANY, "Filters": [{"Name": "availability-zone", "Values": ["us-west-2a", "us-west-2b"]}]})
+        facts = gather_facts(config, Session(), quota_lookup=lambda code: 64.0)
+        stub.assert_no_pending_responses()
+    assert facts.spot_history == {"g5.xlarge": 1}
