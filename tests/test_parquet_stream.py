@@ -1,0 +1,190 @@
+"""The streaming data path: Parquet read in place from its footers' index, global batches drawn from a
+fixed number of partitions, whatever the world size."""
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from training.data import parquet
+from training.data.loader import BatchPlan
+from training.data.stream import RowGroup, StreamingShard, deal, steps_per_epoch
+
+B = 24
+
+
+def id_groups(sizes):
+    """Row groups whose rows are their global ids, and a loader that counts reads."""
+    groups = [RowGroup(file=0, index=i, rows=n) for i, n in enumerate(sizes)]
+    starts = np.cumsum([0] + list(sizes))
+    reads = []
+
+    def load(group_id):
+        reads.append(group_id)
+        return {"id": np.arange(starts[group_id], starts[group_id + 1])}
+
+    return groups, load, reads
+
+
+SIZES = [37, 50, 50, 50, 12, 50, 50, 44, 50, 50, 50, 29, 50, 50, 50, 50, 33, 50, 50, 50]
+
+
+def shard(world_size, rank, partitions=4, window=2, sizes=SIZES, seed=7):
+    groups, load, reads = id_groups(sizes)
+    return StreamingShard(groups, load, BatchPlan(B, world_size, rank), seed=seed, partitions=partitions,
+                          window=window, prefetch=0), reads
+
+
+def global_batches(world_size, steps, **kw):
+    shards = [shard(world_size, r, **kw)[0] for r in range(world_size)]
+    return [np.concatenate([s.batch(step)["id"] for s in shards]) for step in range(steps)]
+
+
+def test_the_same_global_batches_at_any_world_size():
+    steps = 2 * steps_per_epoch(id_groups(SIZES)[0], 4, B) + 3  # into the third epoch
+    reference = global_batches(1, steps)
+    assert all(len(b) == B for b in reference)
+    for world_size in (2, 3, 4):
+        assert all(np.array_equal(a, b) for a, b in zip(reference, global_batches(world_size, steps)))
+
+
+def test_an_epoch_reads_no_row_twice_and_nearly_all_of_them():
+    per_epoch = steps_per_epoch(id_groups(SIZES)[0], 4, B)
+    rows = np.concatenate(global_batches(2, per_epoch))
+    assert len(np.unique(rows)) == len(rows)
+    total, largest = sum(SIZES), max(SIZES)
+    assert len(rows) >= total - 4 * (largest + B)  # at most a row group and a batch per partition left
+    second = np.concatenate(global_batches(2, 2 * per_epoch)[per_epoch:])
+    assert len(np.unique(second)) == len(second) and not np.array_equal(np.sort(rows), rows)
+
+
+def test_a_resume_at_any_step_reads_what_the_run_would_have_read():
+    continuous, _ = shard(2, 1)
+    expected = [continuous.batch(s)["id"] for s in range(30)]
+    for start in (0, 5, 17, 29):
+        resumed, _ = shard(2, 1)
+        assert np.array_equal(resumed.batch(start)["id"], expected[start])
+
+
+def test_each_worker_reads_its_partitions_row_groups_only():
+    per_epoch = steps_per_epoch(id_groups(SIZES)[0], 4, B)
+    read = []
+    for rank in range(2):
+        s, reads = shard(2, rank)
+        for step in range(per_epoch):
+            s.batch(step)
+        read.append(set(reads))
+    assert not read[0] & read[1]  # W divides P: disjoint halves
+    assert sum(len(r) for r in read) <= len(SIZES)
+
+
+def test_memory_is_bounded_by_the_window_not_the_dataset():
+    sizes = [10] * 2000
+    s, reads = shard(1, 0, partitions=4, window=2, sizes=sizes)
+    largest = 0
+    for step in range(s.steps_per_epoch):
+        s.batch(step)
+        largest = max(largest, len(s.cache._cache))
+    assert largest <= s.cache.capacity <= 4 * 2 * 2 + 2
+    assert len(reads) <= len(sizes) * 1.2  # each row group read about once
+
+
+def test_the_deal_balances_partitions_and_depends_on_the_epoch():
+    groups = id_groups(SIZES)[0]
+    for epoch in (0, 1):
+        sizes = [sum(groups[g].rows for g in part) for part in deal(groups, 7, epoch, 4)]
+        assert max(sizes) - min(sizes) <= max(SIZES)
+    assert deal(groups, 7, 0, 4) != deal(groups, 7, 1, 4)
+
+
+def test_partitions_beyond_the_batch_are_refused():
+    with pytest.raises(ValueError, match="partitions 32 is more than train.global_batch_size 24"):
+        shard(1, 0, partitions=32)
+
+
+# --- the parquet source's index ---
+
+def write_spark_like(root, rows_per_file=40, days=("2026-01-01", "2026-01-02"), parts=3):
+    """A table laid out as Spark writes one: Hive folders, part files, and writer bookkeeping."""
+    rng = np.random.default_rng(0)
+    next_id = 0
+    for day in days:
+        folder = root / f"day={day}"
+        folder.mkdir(parents=True)
+        for p in range(parts):
+            ids = np.arange(next_id, next_id + rows_per_file)
+            next_id += rows_per_file
+            table = pa.table({"f0": rng.normal(size=rows_per_file).astype(np.float32),
+                              "f1": ids.astype(np.float32), "label": (ids % 3).astype(np.int64)})
+            pq.write_table(table, folder / f"part-{p:05d}-c000.snappy.parquet", row_group_size=16)
+            (folder / f".part-{p:05d}-c000.snappy.parquet.crc").write_bytes(b"crc")
+    (root / "_SUCCESS").write_text("")
+    (root / "_committed_123").write_text("{}")
+    (root / "_temporary" / "0").mkdir(parents=True)
+    (root / "_temporary" / "0" / "part-x.parquet").write_bytes(b"half written")
+    return next_id
+
+
+def options(root, **kw):
+    return parquet.ParquetOptions(path=str(root), features=["f0", "f1"], label="label",
+                                  **({"validation_fraction": 0.2} | kw))
+
+
+def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path):
+    total = write_spark_like(tmp_path / "t")
+    index = parquet.build_index(options(tmp_path / "t"))
+    files = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
+    assert len(files) == 6 and all(f["uri"].endswith(".snappy.parquet") for f in files)
+    assert index["splits"]["train"]["rows"] + index["splits"]["validation"]["rows"] == total
+    assert {f["partition"]["day"] for f in files} == {"2026-01-01", "2026-01-02"}
+    assert all(f["row_groups"] == [16, 16, 8] for f in files)
+    assert index["spec"] == {"input_dim": 2, "num_classes": 3}
+    assert len(index["splits"]["validation"]["files"]) == 2  # ceil(6 * 0.2)
+    # the same split however the files are listed, and a filter on the partition
+    assert parquet.build_index(options(tmp_path / "t"))["splits"] == index["splits"]
+    one_day = parquet.build_index(options(tmp_path / "t", filter={"day": "2026-01-02"}))
+    assert {f["partition"]["day"] for f in one_day["splits"]["train"]["files"]} == {"2026-01-02"}
+
+
+def test_a_changed_file_is_named(tmp_path):
+    write_spark_like(tmp_path / "t")
+    index = parquet.build_index(options(tmp_path / "t"))
+    recorded = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
+    listing = parquet.list_files(str(tmp_path / "t"))
+    assert parquet.changed(recorded, listing) is None
+    victim = tmp_path / "t" / "day=2026-01-01" / "part-00001-c000.snappy.parquet"
+    os.utime(victim, ns=(1, 1))
+    assert "part-00001-c000.snappy.parquet changed" in parquet.changed(recorded, parquet.list_files(str(tmp_path / "t")))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda root: pq.write_table(pa.table({"f0": [1.0], "label": [1]}), root / "extra.parquet"),
+     "extra.parquet has no column 'f1'"),
+    (lambda root: pq.write_table(pa.table({"f0": pa.array([1.0], pa.float32()), "f1": pa.array([2.0], pa.float32()), "label": [-1]}), root / "neg.parquet"),
+     "column 'label' has negative values"),
+    (lambda root: (root / "junk.parquet").write_bytes(b"not parquet at all"), "junk.parquet is not a readable Parquet"),
+])
+def test_bad_data_is_named_before_training(tmp_path, mutate, message):
+    write_spark_like(tmp_path / "t")
+    mutate(tmp_path / "t")
+    with pytest.raises(parquet.DataError, match=message):
+        parquet.build_index(options(tmp_path / "t"))
+
+
+def test_row_groups_stream_through_the_loader(tmp_path):
+    total = write_spark_like(tmp_path / "t")
+    index = parquet.build_index(options(tmp_path / "t", validation_path=None, validation_fraction=0.2))
+    opts = options(tmp_path / "t")
+    split = index["splits"]["train"]
+    batches = []
+    for world_size in (1, 2):
+        readers = [parquet.FileReader(split, opts) for _ in range(world_size)]
+        shards = [StreamingShard(readers[r].groups, readers[r].load, BatchPlan(8, world_size, r), seed=1,
+                                 partitions=4, window=2) for r in range(world_size)]
+        batches.append([np.concatenate([s.batch(step)["x"][:, 1] for s in shards]) for step in range(10)])
+        assert shards[0].batch(0)["y"].dtype == np.int64
+    assert all(np.array_equal(a, b) for a, b in zip(*batches))
+    seen = np.concatenate(batches[0])
+    assert len(np.unique(seen)) == len(seen) and seen.max() < total
