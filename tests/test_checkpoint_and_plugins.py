@@ -115,13 +115,13 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
 
     monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
     path = cluster_config_path(None)
-    params = estimate_cost_metrics(path, wall_s=2 * 3600, gpu_workers=2)
+    metrics = estimate_cost_metrics(path, wall_s=2 * 3600, gpu_nodes=2)
     from cluster.prices import load_price_table
 
     table = load_price_table()
     expected = 2 * (table.get("m5.xlarge").on_demand_usd_per_hour + 2 * table.get("g5.xlarge").spot_usd_per_hour)
-    assert params["cluster_cost_usd_estimate"] == pytest.approx(expected, rel=1e-3)
-    assert params["cluster_gpu_energy_kwh_estimate"] == pytest.approx(2 * 2 * table.get("g5.xlarge").gpu_rated_watts / 1000)
+    assert metrics["cluster_cost_usd_estimate"] == pytest.approx(expected, rel=1e-3)
+    assert metrics["cluster_gpu_energy_kwh_estimate"] == pytest.approx(2 * 2 * table.get("g5.xlarge").gpu_rated_watts / 1000)
     assert cluster_config_path("~/x.yaml").endswith("/x.yaml")
 
 

@@ -131,3 +131,37 @@ def test_current_spot_prices_reads_every_page_for_linux_from_now_in_the_given_zo
         stub.assert_no_pending_responses()
     # the newest Linux price of each listed zone: the second page's for 2a, never Windows, never 2c
     assert prices == {"us-west-2a": 0.42, "us-west-2b": 0.50}
+
+
+# ---------------------------------------------------------------- a finished run's own estimate
+
+
+def test_gpu_nodes_count_workers_only_when_they_hold_gpus():
+    from training.run.cost import gpu_nodes
+
+    assert gpu_nodes(4, use_gpu=True) == 4
+    assert gpu_nodes(4, use_gpu=False) == 0
+    with pytest.raises(ValueError):
+        gpu_nodes(-1, use_gpu=True)
+
+
+@pytest.mark.parametrize("use_gpu, spot_nodes", [(True, 2), (False, 0)], ids=["gpu_workers", "cpu_workers"])
+def test_a_finished_run_is_priced_for_the_nodes_its_workers_held(tmp_path, use_gpu, spot_nodes):
+    """finalize on a described cluster, with a fake tracker: 2 workers for 2 hours cost 2 spot GPU
+    nodes beside the head when they held GPUs, and the head alone when they trained on CPUs."""
+    from types import SimpleNamespace
+
+    from training.run.driver import RunSummary
+    from training.run.finalize import finalize
+
+    logged = []
+    tracker = SimpleNamespace(run_id=None, log_metrics=lambda metrics, step: logged.append(metrics))
+    job = SimpleNamespace(tracking=SimpleNamespace(cluster_config=str(REPO / "cluster.yaml")),
+                          scaling=SimpleNamespace(max_workers=2))
+    summary = RunSummary(name="r", run_dir=str(tmp_path), steps=10, metrics={"world_size": 2}, wall_s=2 * 3600,
+                         resumed=False, use_gpu=use_gpu)
+    finalize(job, None, SimpleNamespace(checkpoint=None), tracker, summary, log=lambda line: None)
+    expected = {"cluster_cost_usd_estimate": round(2 * (HEAD_OD + spot_nodes * SPOT), 4),
+                "cluster_gpu_energy_kwh_estimate": round(2 * spot_nodes * WATTS / 1000, 4)}
+    assert summary.extra["cost"] == expected and logged == [expected]
+    assert json.loads((tmp_path / "summary.json").read_text())["cost"] == expected

@@ -13,13 +13,23 @@ def cluster_config_path(configured: Optional[str]) -> Optional[str]:
     return os.path.expanduser(path) if path else None
 
 
-def estimate_cost_metrics(cluster_config: str, wall_s: float, gpu_workers: int) -> dict[str, float]:
+def gpu_nodes(world_size: int, use_gpu: bool) -> int:
+    """GPU worker nodes a run of `world_size` workers held. With GPUs, one node per worker: each
+    worker holds one GPU (run/resources.py) and cluster.yaml's GPU types have one GPU each (a type
+    with several would be over-counted). On CPUs none: only the head is priced, and CPU workers
+    that the autoscaler placed on GPU nodes are not counted."""
+    if world_size < 0:
+        raise ValueError(f"world_size must be >= 0, got {world_size}")
+    return world_size if use_gpu else 0
+
+
+def estimate_cost_metrics(cluster_config: str, wall_s: float, gpu_nodes: int) -> dict[str, float]:
     """{cluster_cost_usd_estimate, cluster_gpu_energy_kwh_estimate} for a run of wall_s seconds on
-    gpu_workers GPU nodes of that cluster."""
+    the head and gpu_nodes GPU nodes of that cluster, filled as the autoscaler prefers (spot first)."""
     from cluster.config import load_and_prepare
     from cluster.cost import estimate_run, node_costs
     from cluster.prices import load_price_table
 
     _, config = load_and_prepare(cluster_config)
     costs, _ = node_costs(config, load_price_table())
-    return estimate_run(costs, config["head_node_type"], wall_s / 3600.0, gpu_workers).as_metrics()
+    return estimate_run(costs, config["head_node_type"], wall_s / 3600.0, gpu_nodes).as_metrics()

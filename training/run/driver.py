@@ -35,6 +35,7 @@ class RunSummary:
     mlflow_run_id: Optional[str] = None
     tracking_uri: Optional[str] = None
     registered_model: Optional[str] = None
+    use_gpu: bool = False  # each worker held a GPU (scaling.use_gpu, `auto` resolved for the cluster)
     extra: dict = field(default_factory=dict)
 
 
@@ -98,7 +99,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(metrics.get("step", 0)),
                          metrics=metrics, wall_s=time.monotonic() - started, resumed=record is not None,
                          checkpoint_path=result.checkpoint.path if result.checkpoint else None,
-                         mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri,
+                         mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri, use_gpu=workers.use_gpu,
                          extra={"timings": {**timings, "fit_done": time.time(),
                                             "worker_start": metrics.get("worker_start_time"),
                                             "first_step": metrics.get("first_step_time")}})

@@ -91,13 +91,14 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
     checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
     model in its last checkpoint and the summary in its storage, and a warning says so."""
-    from training.run.cost import cluster_config_path, estimate_cost_metrics
+    from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 
     cluster_config = cluster_config_path(job.tracking.cluster_config)
     if cluster_config:
         try:
             workers = int(summary.metrics.get("world_size", job.scaling.max_workers))
-            summary.extra["cost"] = estimate_cost_metrics(cluster_config, summary.wall_s, workers)
+            summary.extra["cost"] = estimate_cost_metrics(cluster_config, summary.wall_s,
+                                                          gpu_nodes(workers, summary.use_gpu))
         except Exception as exc:  # an estimate must never fail a finished run
             log(f"warning: no cost estimate from {cluster_config}: {exc}")
         else:
