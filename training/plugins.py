@@ -1,4 +1,5 @@
-"""Plug-ins by import string: "package.module:function", importable from the working directory."""
+"""Plug-ins by import string: "package.module:function", importable from the working directory.
+Runs on the driver (checks, data preparation) and in each worker (the model)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import importlib
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from training.errors import UserError
 
@@ -15,6 +16,12 @@ _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 def is_import_string(name: str) -> bool:
     return ":" in name
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, the way a plug-in's failure is shown (no traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 def load_callable(spec: str, field: str) -> Callable:
@@ -29,10 +36,24 @@ def load_callable(spec: str, field: str) -> Callable:
     except ImportError as exc:
         raise UserError(f"{field}: cannot import module {module_name!r} ({exc}); "
                         "is it on PYTHONPATH or in the working directory?") from None
+    except (Exception, SystemExit) as exc:  # a SyntaxError, or any error (or sys.exit) in the module's own code
+        raise UserError(f"{field}: importing module {module_name!r} failed: {one_line(exc)}; "
+                        "fix the module (it runs when imported)") from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise UserError(f"{field}: module {module_name!r} has no function {attribute!r}")
     return function
+
+
+def call_plugin(function: Callable, spec: str, field: str, options_field: str, *args: Any, **options: Any) -> Any:
+    """Call a plug-in; anything it raises (or a sys.exit) becomes a UserError naming `field`.
+    A TypeError is most often options the function does not take, so the message shows them."""
+    try:
+        return function(*args, **options)
+    except TypeError as exc:
+        raise UserError(f"{field} {spec} rejected {options_field} {options}: {exc}") from None
+    except (Exception, SystemExit) as exc:
+        raise UserError(f"{field} {spec} failed: {one_line(exc)}") from None
 
 
 def plugin_module_paths(*specs: str) -> list[str]:

@@ -53,3 +53,88 @@ class Exploding(nn.Module):
 def explodes(spec: dict):
     """Builds fine (the pre-flight check passes) and fails in the first training step."""
     return Exploding(spec["input_dim"], spec["num_classes"])
+
+
+# Plug-ins that go wrong in the ways a user's might; each must be refused before anything starts.
+# (The data plug-ins take any options: the default job's data.options are digits'.)
+
+def source_fails(**options):
+    raise ValueError("bucket 'corpus' not found\nsecond line of detail")
+
+
+def source_exits(**options):
+    raise SystemExit(3)
+
+
+def model_fails(spec: dict):
+    raise ValueError("hidden sizes must be positive")
+
+
+def _blobs_with(x=None, y=None, validation_x=None):
+    data = blobs(n=200)
+    if x is not None:
+        data["train"]["x"] = x(data["train"]["x"])
+    if y is not None:
+        data["train"]["y"] = y(data["train"]["y"])
+    if validation_x is not None:
+        data["validation"]["x"] = validation_x(data["validation"]["x"])
+    return data
+
+
+def _set(array, row, value):
+    array = array.copy()
+    array[row] = value
+    return array
+
+
+def nan_features(**options):
+    return _blobs_with(x=lambda x: _set(x, 7, np.nan))
+
+
+def inf_features(**options):
+    return _blobs_with(x=lambda x: _set(x, 3, np.inf))
+
+
+def nan_labels(**options):
+    return _blobs_with(y=lambda y: _set(y.astype(np.float64), 5, np.nan))
+
+
+def negative_labels(**options):
+    return _blobs_with(y=lambda y: _set(y, 2, -1))
+
+
+def fractional_labels(**options):
+    return _blobs_with(y=lambda y: _set(y.astype(np.float64), 4, 1.5))
+
+
+def narrow_validation(**options):
+    """Validation rows with one feature fewer than the train rows."""
+    return _blobs_with(validation_x=lambda x: x[:, :-1])
+
+
+def tokens(validation_high: int = 100, validation_width: int = 17, **options):
+    """Language-model data whose validation split may hold ids the train split never has."""
+    rng = np.random.default_rng(0)
+    return {"train": {"tokens": rng.integers(0, 100, size=(256, 17))},
+            "validation": {"tokens": rng.integers(0, validation_high, size=(16, validation_width))}}
+
+
+def wide_output(spec: dict):
+    """Logits for one class more than the data has."""
+    return Linear(spec["input_dim"], spec["num_classes"] + 1)
+
+
+def fixed_input(spec: dict):
+    """A model written for 10 features, whatever the data has."""
+    return Linear(10, spec["num_classes"])
+
+
+class _Itemizing(Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum().item() > 1e9:  # data-dependent: cannot run on the meta device
+            x = x / 2
+        return self.layer(x)
+
+
+def itemizing(spec: dict):
+    return _Itemizing(spec["input_dim"], spec["num_classes"])

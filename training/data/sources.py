@@ -23,7 +23,7 @@ import pyarrow as pa
 from pydantic import Field, ValidationError
 
 from training.errors import ConfigError, UserError
-from training.plugins import is_import_string, load_callable
+from training.plugins import call_plugin, is_import_string, load_callable
 from training.schema import Section, format_validation_error
 
 Task = Literal["classification", "language_model"]
@@ -42,7 +42,8 @@ class SourceData:
 
 class DigitsOptions(Section):
     val_fraction: float = Field(0.2, gt=0, lt=1)
-    split_seed: int = 0
+    # Seeds the train/validation split (numpy's generator takes seeds from 0).
+    split_seed: int = Field(0, ge=0, lt=2 ** 32)
 
 
 class TinyLMOptions(Section):
@@ -133,16 +134,22 @@ def load_source(source: str, options: dict) -> SourceData:
         options_type, build = BUILTIN_SOURCES[source]
         return build(options_type.model_validate(options))
     function = load_callable(source, "data.source")
-    try:
-        result = function(**options)
-    except TypeError as exc:
-        raise UserError(f"data.source {source} rejected data.options {options}: {exc}") from None
+    result = call_plugin(function, source, "data.source", "data.options", **options)
     if not isinstance(result, dict) or set(result) != set(SPLITS):
         raise UserError(f"data.source {source} must return a dict with keys 'train' and 'validation'")
-    splits = {name: normalize_table(result[name], f"{source} split {name!r}") for name in SPLITS}
+    splits = {name: normalize_table(result[name], f"data.source {source}: split {name!r}") for name in SPLITS}
     task = _task_of(splits["train"])
     if _task_of(splits["validation"]) != task:
         raise UserError(f"data.source {source}: train and validation splits have different columns")
+    for name in SPLITS:
+        if splits[name].num_rows == 0:
+            raise UserError(f"data.source {source}: split {name!r} has no rows")
+    column = "x" if task == "classification" else "tokens"
+    widths = {name: splits[name].schema.field(column).type.list_size for name in SPLITS}
+    if widths["train"] != widths["validation"]:
+        what = "features per row" if task == "classification" else "tokens per sequence"
+        raise UserError(f"data.source {source}: the validation split has {widths['validation']} {what}, "
+                        f"the train split {widths['train']}; both splits must have the same shape")
     hasher = hashlib.sha256()
     for name in SPLITS:
         sink = pa.BufferOutputStream()
@@ -151,13 +158,47 @@ def load_source(source: str, options: dict) -> SourceData:
         hasher.update(sink.getvalue().to_pybytes())
     if task == "classification":
         labels = pa.concat_arrays([splits[n].column("y").combine_chunks() for n in SPLITS]).to_numpy()
-        spec = {"input_dim": splits["train"].schema.field("x").type.list_size,
-                "num_classes": int(labels.max()) + 1}
+        spec = {"input_dim": widths["train"], "num_classes": int(labels.max()) + 1}
     else:
-        tokens = splits["train"].column("tokens").combine_chunks()
-        spec = {"vocab_size": int(options.get("vocab_size", int(pa.compute.max(tokens.flatten()).as_py()) + 1)),
-                "seq_len": splits["train"].schema.field("tokens").type.list_size - 1}
+        spec = {"vocab_size": _vocab_size(source, options, splits), "seq_len": widths["train"] - 1}
     return SourceData(task, splits, spec, hasher.hexdigest())
+
+
+def _vocab_size(source: str, options: dict, splits: dict[str, pa.Table]) -> int:
+    """data.options.vocab_size, else the train split's largest id + 1; every id must be below it (an
+    id outside the vocabulary fails the embedding lookup mid-run, at the first evaluation)."""
+    largest = {name: int(pa.compute.max(splits[name].column("tokens").combine_chunks().flatten()).as_py())
+               for name in SPLITS}
+    given = options.get("vocab_size")
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise UserError(f"data.options.vocab_size: must be a positive int, got {given!r}")
+        for name in SPLITS:
+            if largest[name] >= given:
+                raise UserError(f"data.source {source}: split {name!r} has token id {largest[name]}, outside "
+                                f"data.options.vocab_size {given}; raise vocab_size or fix the data")
+        return given
+    if largest["validation"] > largest["train"]:
+        raise UserError(f"data.source {source}: the validation split has token id {largest['validation']}, "
+                        f"but the train split's vocabulary ends at {largest['train']}; set data.options.vocab_size "
+                        "to the tokenizer's vocabulary size")
+    return largest["train"] + 1
+
+
+def _labels(column) -> np.ndarray:
+    """Class labels as int64: whole numbers from 0 (a float column is accepted if every value is one)."""
+    labels = np.asarray(column.to_numpy(zero_copy_only=False))
+    if labels.ndim != 1 or labels.dtype.kind not in "iuf":
+        raise ValueError(f"y must hold one integer class label per row, not {column.type}")
+    if labels.dtype.kind == "f":
+        bad = ~np.isfinite(labels) | (labels != np.round(labels))
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise ValueError(f"y must hold integer class labels; row {row} has {labels[row].item()!r}")
+    if len(labels) and labels.min() < 0:
+        row = int(np.argmin(labels))
+        raise ValueError(f"y must hold class labels from 0; row {row} has {labels[row].item()!r}")
+    return labels.astype(np.int64)
 
 
 def _task_of(table: pa.Table) -> Task:
@@ -193,7 +234,11 @@ def normalize_table(value: Any, what: str) -> pa.Table:
             x = np.array(table.column("x").to_pylist(), dtype=np.float32)
             if x.ndim != 2:
                 raise ValueError("x must be a list of equal-length feature vectors")
-            return classification_table(x, table.column("y").to_numpy())
+            finite = np.isfinite(x).all(axis=1)
+            if not finite.all():
+                row = int(np.argmin(finite))
+                raise ValueError(f"x must hold finite features; row {row} has NaN or infinity")
+            return classification_table(x, _labels(table.column("y")))
         if names == {"tokens"}:
             tokens = np.array(table.column("tokens").to_pylist(), dtype=np.int64)
             if tokens.ndim != 2 or tokens.shape[1] < 2 or tokens.min() < 0:

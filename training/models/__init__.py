@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from training.errors import ConfigError, UserError
 from training.models.digits import CNNOptions, MLPOptions, build_cnn, build_mlp
 from training.models.gpt import GPTOptions, build_gpt
-from training.plugins import is_import_string, load_callable
+from training.plugins import call_plugin, is_import_string, load_callable
 from training.schema import format_validation_error
 
 # name -> (options type, builder, task it serves)
@@ -52,12 +52,12 @@ def build_model(name: str, options: dict, spec: dict):
 
     if not is_import_string(name):
         options_type, builder, _ = BUILTIN_MODELS[name]
-        return builder(spec, options_type.model_validate(options))
+        try:
+            return builder(spec, options_type.model_validate(options))
+        except ValueError as exc:  # the data does not suit the model (digits_cnn on non-square images)
+            raise UserError(f"model.name {name}: {exc}") from None
     function = load_callable(name, "model.name")
-    try:
-        model = function(dict(spec), **options)
-    except TypeError as exc:
-        raise UserError(f"model.name {name} rejected model.options {options}: {exc}") from None
+    model = call_plugin(function, name, "model.name", "model.options", dict(spec), **options)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.name {name} returned {type(model).__name__}, not a torch.nn.Module")
     return model

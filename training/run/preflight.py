@@ -27,7 +27,7 @@ def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Ca
 
     try:
         return prepare(data, paths.data_cache, log=log, check=check)
-    except ValueError as exc:
+    except ValueError as exc:  # (the model's and the plug-ins' own errors are UserErrors naming their field)
         raise UserError(f"data ({data.source}): {exc}") from None
 
 
@@ -41,6 +41,7 @@ def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
         check_model_builds(job, task, spec)
         check_metric_names(job, task)
         check_batch_fits(job, rows["train"])
+        check_cluster_config(job.tracking.cluster_config)
         check_storage(paths)
 
     return check
@@ -110,4 +111,64 @@ def check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
     from training.models import build_model
 
     with torch.device("meta"):
-        build_model(job.model.name, job.model.options, {"task": task, **spec})
+        model = build_model(job.model.name, job.model.options, {"task": task, **spec})
+    check_model_shapes(job.model.name, model, task, spec)
+
+
+# Messages of errors that say a forward pass cannot run on the meta device at all (`.item()`, a
+# copy to the CPU): the model's shapes are then not checked here, and the first step checks them.
+_META_ONLY = ("meta tensor", "meta device", "on meta", "meta is not")
+
+
+def check_model_shapes(name: str, model, task: str, spec: dict) -> None:
+    """One forward pass of two rows on the meta device (shapes only, no memory, no arithmetic):
+    a model whose input width does not take the data's, or whose logits are not one per class (per
+    token in the vocabulary), fails here rather than in the first step. Evaluation mode: dropout and
+    other training-only paths are the first step's to run."""
+    import torch
+
+    from training.plugins import one_line
+
+    rows = 2
+    if task == "classification":
+        batch = torch.zeros(rows, spec["input_dim"], device="meta")
+        expected, unit = (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
+    else:
+        batch = torch.zeros(rows, spec["seq_len"], dtype=torch.int64, device="meta")
+        expected, unit = (rows, spec["seq_len"], spec["vocab_size"]), f"vocab_size {spec['vocab_size']}"
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(batch)
+    except NotImplementedError:
+        return
+    except (Exception, SystemExit) as exc:
+        if any(text in str(exc) for text in _META_ONLY):
+            return
+        raise UserError(f"model.name {name}: a forward pass on {rows} rows shaped like the data "
+                        f"({list(batch.shape)}) fails: {one_line(exc)}; does the model take the data's "
+                        f"{'input_dim ' + str(spec['input_dim']) if task == 'classification' else 'seq_len'}?") from None
+    if not isinstance(logits, torch.Tensor):
+        raise UserError(f"model.name {name}: forward returns {type(logits).__name__}, not a tensor of logits")
+    if tuple(logits.shape) != expected:
+        raise UserError(f"model.name {name}: forward on input {list(batch.shape)} returns logits of shape "
+                        f"{list(logits.shape)}; the data needs {list(expected)} ({unit})")
+
+
+def check_cluster_config(configured) -> None:
+    """tracking.cluster_config prices the run once it has finished: a file that is not there or not a
+    cluster config is refused now, not found out at the end (where it could only warn)."""
+    if not configured:
+        return
+    from cluster.config import ConfigError as ClusterConfigError, load_cluster_yaml
+    from training.run.cost import cluster_config_path
+
+    path = cluster_config_path(configured)
+    try:
+        config = load_cluster_yaml(path)
+    except ClusterConfigError as exc:
+        raise ConfigError(f"tracking.cluster_config: {exc}; it names the cluster.yaml the run is priced by") from None
+    types = config.get("available_node_types")
+    if not isinstance(types, dict) or config.get("head_node_type") not in types:
+        raise ConfigError(f"tracking.cluster_config: {path} is not a cluster config (it needs available_node_types "
+                          "and a head_node_type among them)")

@@ -1,0 +1,4 @@
+"""Deliberately not valid Python: importing it raises SyntaxError."""
+
+def blobs(:
+    pass

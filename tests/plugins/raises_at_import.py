@@ -1,0 +1,1 @@
+raise RuntimeError("cannot reach the license server\nmore detail")
