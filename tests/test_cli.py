@@ -1,5 +1,6 @@
 """The command line's bad-input paths: exit 2, one clear message naming the field, no Ray started."""
 
+import json
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 from cli_probe import run_cases
 from conftest import REPO
+from training import config as config_lib
 
 BAD = REPO / "tests" / "bad_configs"
 
@@ -39,6 +41,46 @@ BAD_INPUT = [
     (["--set", "checkpoint.storage_path=''"], "checkpoint.storage_path: must not be empty"),
     (["--set", "checkpoint.storage_path=foo://bar/runs"], "Unrecognized filesystem type in URI: foo://bar/runs"),
     (["--set", "tracking.experiment=''"], "tracking.experiment: String should have at least 1 character"),
+    # Plug-ins that fail on import or when called: the field, the error's first line, no traceback.
+    (["--set", "data.source=plugins.raises_at_import:blobs"],
+     "data.source: importing module 'plugins.raises_at_import' failed: RuntimeError: cannot reach the license server;"),
+    (["--set", "data.source=plugins.broken_syntax:blobs"],
+     "data.source: importing module 'plugins.broken_syntax' failed: SyntaxError: invalid syntax"),
+    (["--set", "model.name=plugins.exits_at_import:build", "--set", "model.options={}"],
+     "model.name: importing module 'plugins.exits_at_import' failed: SystemExit: 0"),
+    (["--set", "data.source=plugins.examples:source_fails"],
+     "data.source plugins.examples:source_fails failed: ValueError: bucket 'corpus' not found\n"),
+    (["--set", "data.source=plugins.examples:source_exits"], "data.source plugins.examples:source_exits failed: SystemExit: 3"),
+    (["--set", "data.source=plugins.examples:blobs"], "data.source plugins.examples:blobs rejected data.options"),
+    (["--set", "model.name=plugins.examples:model_fails", "--set", "model.options={}"],
+     "model.name plugins.examples:model_fails failed: ValueError: hidden sizes must be positive"),
+    (["--set", "data.options.split_seed=-1"], "data.options.split_seed: Input should be greater than or equal to 0"),
+    # Data a model cannot train on, found before it is prepared.
+    (["--set", "data.source=plugins.examples:nan_features"], "split 'train': x must hold finite features; row 7 has NaN"),
+    (["--set", "data.source=plugins.examples:inf_features"], "split 'train': x must hold finite features; row 3 has NaN"),
+    (["--set", "data.source=plugins.examples:nan_labels"], "split 'train': y must hold integer class labels; row 5 has nan"),
+    (["--set", "data.source=plugins.examples:negative_labels"], "y must hold class labels from 0; row 2 has -1"),
+    (["--set", "data.source=plugins.examples:fractional_labels"], "y must hold integer class labels; row 4 has 1.5"),
+    (["--set", "data.source=plugins.examples:narrow_validation"],
+     "the validation split has 5 features per row, the train split 6"),
+    (["--set", "data.source=plugins.examples:tokens", "--set", "data.options={validation_high: 200}",
+      "--set", "model.name=gpt", "--set", "model.options={}"],
+     "the validation split has token id 199, but the train split's vocabulary ends at 99"),
+    (["--set", "data.source=plugins.examples:tokens", "--set", "data.options={validation_width: 9}",
+      "--set", "model.name=gpt", "--set", "model.options={}"],
+     "the validation split has 9 tokens per sequence, the train split 17"),
+    # Models whose shapes do not fit the data: one forward pass on the meta device finds them.
+    (["--set", "data.source=plugins.examples:blobs", "--set", "data.options={}",
+      "--set", "model.name=plugins.examples:wide_output", "--set", "model.options={}"], "returns logits of shape [2, 4]; the data needs [2, 3] (num_classes 3)"),
+    (["--set", "data.source=plugins.examples:blobs", "--set", "data.options={}",
+      "--set", "model.name=plugins.examples:fixed_input", "--set", "model.options={}"], "a forward pass on 2 rows shaped like the data ([2, 6]) fails"),
+    # What the end of a run needs, asked at its start.
+    (["--set", "tracking.registered_model_name=team/digits"],
+     "tracking.registered_model_name: 'team/digits' contains '/' or ':'"),
+    (["--set", "tracking.registered_model_name=..digits"], "tracking.registered_model_name: '..digits' reads as a path"),
+    (["--set", "tracking.cluster_config=missing-cluster.yaml"], "tracking.cluster_config: missing-cluster.yaml: no such file"),
+    (["--set", f"tracking.cluster_config={REPO / 'training' / 'configs' / 'digits.yaml'}"],
+     "digits.yaml is not a cluster config"),
 ]
 
 
@@ -54,6 +96,7 @@ def test_bad_input_exits_2_before_ray(bad_input, args, message):
 
 
 RESUME_ARGS = ("--name", "r1")
+RESUME_STRATEGY_ARGS = ("--name", "r2", "--set", "parallel.strategy=fsdp")
 HELP_ARGS = ("--help",)
 
 
@@ -62,11 +105,15 @@ def bad_input(tmp_path_factory):
     """Every case of this module through `training.run.cli.main` (the bad inputs, a resume of a
     different run, --help), in one process: {args: (result, its working directory)}."""
     cases = {}
-    for args in [tuple(a) for a, _ in BAD_INPUT] + [RESUME_ARGS, HELP_ARGS]:
+    for args in [tuple(a) for a, _ in BAD_INPUT] + [RESUME_ARGS, RESUME_STRATEGY_ARGS, HELP_ARGS]:
         cases[args] = tmp_path_factory.mktemp("cli")
     run_dir = cases[RESUME_ARGS] / "runs" / "r1"  # a run of that name exists, with another identity
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text('{"identity": {"seed": 5}, "mlflow_run_id": null}')
+    run_dir = cases[RESUME_STRATEGY_ARGS] / "runs" / "r2"  # the default job, run with ddp
+    run_dir.mkdir(parents=True)
+    identity = config_lib.identity_of(config_lib.load(REPO / "training" / "configs" / "digits.yaml"))
+    (run_dir / "run.json").write_text(json.dumps({"identity": identity, "mlflow_run_id": None}))
     results = run_cases("training.run.cli", [{"args": list(args), "cwd": str(cwd)} for args, cwd in cases.items()])
     return {args: (result, cwd) for (args, cwd), result in zip(cases.items(), results)}
 
@@ -76,6 +123,14 @@ def test_resuming_with_a_different_model_is_refused(bad_input):
     assert result["returncode"] == 2
     assert "run 'r1' already exists with a different seed" in result["stderr"]
     assert not result["ray_imported"]
+
+
+def test_resuming_with_another_parallel_strategy_is_refused(bad_input):
+    result, cwd = bad_input[RESUME_STRATEGY_ARGS]
+    assert result["returncode"] == 2, result["stderr"]
+    assert "run 'r2' already exists with a different parallel.strategy;" in result["stderr"]
+    assert not result["ray_imported"]
+    assert [p.name for p in (cwd / "runs").iterdir()] == ["r2"]
 
 
 def test_help_documents_the_command(bad_input):

@@ -86,3 +86,40 @@ def test_non_finite_floats_are_refused_by_name(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
         config_lib.load(None, [override])
+
+
+def test_a_config_file_name_makes_a_valid_default_run_name():
+    import datetime
+
+    from training.run.paths import default_run_name
+
+    now = datetime.datetime(2025, 1, 2, 3, 4, 5)
+    assert default_run_name("configs/my job (1)!.yaml", now) == "my-job-1-20250102-030405"
+    assert default_run_name("!!!.yaml", now) == "job-20250102-030405"
+    assert default_run_name(None, now) == "job-20250102-030405"
+    for path in ["my job (1)!.yaml", ".hidden.yaml", "é$`rm -rf`.yml", "x" * 300 + ".yaml"]:
+        config_lib.JobConfig(name=default_run_name(path))  # a valid name: no ConfigError
+
+
+def test_the_parallel_strategy_is_part_of_a_runs_identity():
+    from training.run.record import RunRecord
+
+    job = config_lib.load(CONFIGS / "digits.yaml")
+    fsdp = config_lib.load(CONFIGS / "digits.yaml", ["parallel.strategy=fsdp"])
+    assert config_lib.identity_of(job)["parallel.strategy"] == "ddp"
+    record = RunRecord("r", config_lib.identity_of(job), None, None)
+    with pytest.raises(ConfigError, match="already exists with a different parallel.strategy;"):
+        record.check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
+    # A record written before the strategy joined the identity does not hold it: not compared.
+    older = {k: v for k, v in config_lib.identity_of(job).items() if k != "parallel.strategy"}
+    RunRecord("r", older, None, None).check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("team/digits", "contains '/' or ':'"), ("a:b", "contains '/' or ':'"), (" ", "must not be empty"),
+    (".", "reads as a path"), ("..x", "reads as a path"),
+])
+def test_a_registered_model_name_the_registry_refuses_is_refused_now(name, message):
+    with pytest.raises(ConfigError, match=f"tracking.registered_model_name: .*{message}"):
+        config_lib.load(None, [f"tracking.registered_model_name={name!r}"])
+    assert config_lib.load(None, ["tracking.registered_model_name=digits-mlp_v2.1"])

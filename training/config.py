@@ -7,6 +7,7 @@ naming the dotted path of the field and what is allowed, before anything starts.
 from __future__ import annotations
 
 import copy
+import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -190,6 +191,23 @@ class TrackingConfig(Section):
     # artifact. Default: on for built-in models, off for plug-ins. A failed export only warns.
     export_onnx: Optional[bool] = None
 
+    @field_validator("registered_model_name")
+    @classmethod
+    def _registry_name(cls, value):
+        # MLflow's own rules (mlflow.utils.validation._validate_model_name), asked here so that a name
+        # the registry refuses fails now, not when the finished model is registered; MLflow itself
+        # is not imported for it (seconds, on every command).
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("must not be empty; leave it out for the default <data.source>-<model.name>")
+        if "/" in value or ":" in value:
+            raise ValueError(f"{value!r} contains '/' or ':', which MLflow's model registry refuses")
+        if posixpath.normpath(value) != value or value == "." or value.startswith(".."):  # ".", "..x"
+            raise ValueError(f"{value!r} reads as a path that MLflow's model registry refuses; use letters, "
+                             "digits, '_', '-' and '.'")
+        return value
+
 
 class JobConfig(Section):
     # Run name: a run whose name exists in storage is resumed. Default: <config>-<timestamp>.
@@ -221,8 +239,10 @@ class JobConfig(Section):
         return self
 
 
-# Fields that define what a run computes: resuming a run with any of them changed is refused.
-IDENTITY_FIELDS = ("seed", "model", "data.source", "data.options", "optim", "train.global_batch_size")
+# Fields that define what a run computes: resuming a run with any of them changed is refused. A run
+# keeps its parallel strategy: its checkpoints are written in that strategy's layout.
+IDENTITY_FIELDS = ("seed", "model", "data.source", "data.options", "optim", "train.global_batch_size",
+                   "parallel.strategy")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -50,9 +50,12 @@ def resolve_paths(job: JobConfig, name: str) -> RunPaths:
     return RunPaths(base, storage_path, storage.join(storage_path, name), data_cache, tracking_uri)
 
 
-def default_run_name(config_path: Optional[str]) -> str:
+def default_run_name(config_path: Optional[str], now: Optional[datetime.datetime] = None) -> str:
+    """<config file's name>-<timestamp>, made a valid run name (`JobConfig.name`): a file named
+    `my job (1)!.yaml` runs as `my-job-1-20250101-120000`, not as a path with spaces and parentheses."""
     stem = Path(config_path).stem if config_path else "job"
-    return f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-._")[:100] or "job"
+    return f"{stem}-{(now or datetime.datetime.now()).strftime('%Y%m%d-%H%M%S')}"
 
 
 def artifact_location(paths: RunPaths, job: JobConfig) -> Optional[str]:

@@ -50,9 +50,10 @@ class RunRecord:
 
     def check_resumable(self, identity: dict, kind: str, remedy: str) -> None:
         """Refuse to continue a run whose identity changed: it would mix two different runs.
-        `identity` is what defines the run now, in the form it was recorded (JSON values)."""
+        `identity` is what defines the run now, in the form it was recorded (JSON values). A field the
+        record does not hold joined the identity after the record was written, and is not compared."""
         identity = json.loads(json.dumps(identity))
-        changed = [key for key, value in identity.items() if self.identity.get(key) != value]
+        changed = [key for key, value in identity.items() if key in self.identity and self.identity[key] != value]
         if changed:
             raise ConfigError(f"{kind} {self.name!r} already exists with a different {', '.join(changed)}; "
                               f"resuming it would mix two different {kind}s. Use a new --name, or {remedy} to resume it.")
