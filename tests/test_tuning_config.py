@@ -40,6 +40,13 @@ BAD_SWEEPS = [
     (GOOD.replace(str(DIGITS), "missing.yaml"), [], "base: job config missing.yaml does not exist"),
     (GOOD, ["--set", "trial.scaling={num_workers: 0}"], "trial.scaling.num_workers: must be a positive int"),
     (GOOD, ["--name", "bad name!"], "name: 'bad name!' must start with a letter or digit"),
+    (GOOD + "  train.global_batch_size: {choice: [32, 64]}\nscheduler: {name: pbt}\n", [],
+     "space.train.global_batch_size: PBT continues trials from each other's checkpoints, data position included"),
+    (GOOD + "set: train.max_steps=5\n", [], "set: must be a list of KEY=VALUE overrides"),
+    (GOOD, ["--set", "tracking.cluster_config=nope.yaml"], "tracking.cluster_config: "),
+    (GOOD, ["--set", "tracking.registered_model_name=a/b"], "tracking.registered_model_name: 'a/b' contains '/'"),
+    (GOOD.replace(str(DIGITS), "job.yaml"), [], "base: job config job.yaml does not exist; a relative path is "
+     "looked up next to the sweep file, then in the working directory"),
 ]
 
 

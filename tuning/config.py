@@ -19,7 +19,7 @@ from training.config import JobConfig, ScalingConfig
 from training.errors import ConfigError
 from training.schema import Section, format_validation_error, set_path
 from training.metrics import ALL_VALIDATION_METRICS
-from tuning.space import FIXED_PREFIXES, PBT_FIXED_PREFIXES, Dimension, flatten_space
+from tuning.space import FIXED_PREFIXES, PBT_FIXED_FIELDS, PBT_FIXED_PREFIXES, Dimension, flatten_space
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -117,6 +117,12 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
                           "'_', '.' and '-' (at most 64)")
     base_raw, base = _load_base(sweep, path)
     space = _check_space(sweep, base_raw)
+    if base.tracking.cluster_config:  # trials price themselves by it at their end: refused now if unusable
+        from training import storage
+        from training.run.paths import base_dir
+        from training.run.preflight import check_cluster_config
+
+        check_cluster_config(storage.absolute(base.tracking.cluster_config, base_dir()))
     return Sweep(config=sweep, name=final_name, space=space, base_raw=base_raw, base=base)
 
 
@@ -156,6 +162,10 @@ def _check_space(sweep: SweepConfig, base_raw: dict) -> dict[str, Dimension]:
             raise ConfigError(f"{where}: {fixed} is the same for every trial of a sweep and cannot be searched")
         if sweep.scheduler.name == "pbt" and path.split(".")[0] in PBT_FIXED_PREFIXES:
             raise ConfigError(f"{where}: PBT copies weights between trials, so it cannot vary model.* or data.*")
+        if sweep.scheduler.name == "pbt" and path in PBT_FIXED_FIELDS:
+            raise ConfigError(f"{where}: PBT continues trials from each other's checkpoints, data position "
+                              "included, and the data order depends on the batch size: every trial needs the "
+                              "same one; set it with set: instead, or use scheduler asha or fifo")
         if sweep.search.algorithm == "grid" and dim.values is None:
             raise ConfigError(f"{where}: search.algorithm grid needs choice or grid values, not {dim.kind}")
         if sweep.search.algorithm == "optuna" and dim.kind == "grid":

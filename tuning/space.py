@@ -24,6 +24,9 @@ KINDS = ("uniform", "loguniform", "randint", "choice", "grid")
 FIXED_PREFIXES = ("name", "tracking", "checkpoint.storage_path", "data.cache_dir")
 # PBT copies weights from one trial into another: their models and data must be the same.
 PBT_FIXED_PREFIXES = ("model", "data")
+# PBT continues a trial from another's checkpoint, data position included: the data order (and what
+# a position in it means) depends on the global batch size, so all trials must share it.
+PBT_FIXED_FIELDS = ("train.global_batch_size",)
 
 
 class Dimension(Section):
