@@ -91,6 +91,8 @@ def ratios(rows_: dict) -> dict:
                 found[f"checkpoint_{key}"] = rows_["checkpoint"][key]
     for task, value in rows_.get("data_path", {}).items():
         found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]
+        if "streaming_vs_in_memory" in value:
+            found[f"data_streaming_vs_in_memory_{task}"] = value["streaming_vs_in_memory"]
         if value["loader_vs_training_consumption"] is not None:
             found[f"data_loader_vs_training_{task}"] = value["loader_vs_training_consumption"]
     if "memory" in rows_:

@@ -26,6 +26,8 @@ def test_quick_bench_runs_every_row(tmp_path):
     assert rows["cold_start"]["command_to_first_step_s"] > 0
     assert rows["checkpoint"]["checkpoint_mb"] > 1 and rows["checkpoint"]["disk_write_mb_per_s"] > 0
     assert all(v["loader_rows_per_s_per_worker"] > 0 for v in rows["data_path"].values())
+    assert all(v["streaming_rows_per_s_per_worker"] > 0 and v["streaming_row_groups_held"] > 0
+               for v in rows["data_path"].values())
     assert "overhead_ratio_digits_2w" in results["ratios"] and results["machine"]["cores"] >= 1
     table = (tmp_path / "results.md").read_text()
     assert "| overhead digits_2w |" in table and "quick mode" in table

@@ -80,7 +80,9 @@ class PartitionStream:
         if w not in self._perms:
             lo, hi = self._window_bounds(w)
             rng = np.random.default_rng([self.seed, self.epoch, self.partition, w, 0x5EED])
-            self._perms = {w: rng.permutation(hi - lo)}  # only the current window is kept
+            if len(self._perms) >= 2:  # the current window and the next (prefetch looks ahead)
+                self._perms.pop(min(self._perms))
+            self._perms[w] = rng.permutation(hi - lo)
         return self._perms[w]
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +209,7 @@ class StreamingShard:
         self.partitions, self.window, self.prefetch_steps = partitions, window, prefetch
         self._to_tensors = to_tensors or (lambda columns: columns)
         self._epochs: dict[int, EpochPlan] = {}
+        self._located: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the steps being read and read ahead
         if partitions > plan.global_batch_size:
             raise ValueError(f"data.options.partitions {partitions} is more than train.global_batch_size "
                              f"{plan.global_batch_size}: every partition gives at least one row to each batch")
@@ -232,8 +235,11 @@ class StreamingShard:
 
     def locate(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(row group ids, rows within them) of this worker's part of global batch `step`."""
-        epoch, position = divmod(step, self.steps_per_epoch)
-        return self._epoch(epoch).rows_of(position, self._lo, self._hi)
+        if step not in self._located:
+            epoch, position = divmod(step, self.steps_per_epoch)
+            self._located = {k: v for k, v in self._located.items() if step - k <= 0 or k > step - 2}
+            self._located[step] = self._epoch(epoch).rows_of(position, self._lo, self._hi)
+        return self._located[step]
 
     def batch(self, step: int):
         """This worker's part of global batch number `step` (counted from the start of the run); the
