@@ -149,3 +149,37 @@ def test_a_job_upload_leaves_out_the_mlflow_store_slurm_logs_keys_and_ray_state(
     shipped = ray_private.working_dir_upload_files(str(working_copy(tmp_path / "bare", gitignore=False)),
                                                    excludes=UPLOAD_EXCLUDES)
     assert "training/__init__.py" in shipped and not set(SECRETS) & set(shipped)
+
+
+def test_ray_recorded_address_file_follows_ray_tmpdir(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert ray_private.recorded_address_file() == os.path.join(str(tmp_path), "ray", "ray_current_cluster")
+
+
+def test_ray_gcs_probe_gives_up_in_time_on_what_is_not_ray(tmp_path):
+    import socket
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    try:
+        started = time.monotonic()
+        answer = ray_private.ask_gcs_session_name(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=1)
+        assert not answer.answered and answer.session_name is None and time.monotonic() - started < 5
+    finally:
+        listener.close()
+
+
+@pytest.mark.ray
+def test_ray_gcs_answers_the_session_name_probe_with_its_session_directory(ray_cluster):
+    """What training/run/session.py checks before joining a recorded cluster: a live GCS names its
+    session, and that session's directory is where Ray keeps it."""
+    import os
+
+    node = ray_cluster._private.worker.global_worker.node
+    answer = ray_private.ask_gcs_session_name(ray_cluster.get_runtime_context().gcs_address, timeout_s=10)
+    assert answer.answered and answer.session_name == os.path.basename(node.get_session_dir_path())
+    assert os.path.isdir(node.get_session_dir_path())

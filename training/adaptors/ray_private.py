@@ -8,6 +8,7 @@ lazily: importing this module costs nothing.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 NIL_ACTOR = "f" * 32
@@ -53,6 +54,43 @@ def recorded_local_address() -> Optional[str]:
     from ray._private.services import get_ray_address_from_environment
 
     return get_ray_address_from_environment(None, None)
+
+
+def recorded_address_file() -> str:
+    """Where `ray start` records the address (/tmp/ray/ray_current_cluster, or under $RAY_TMPDIR):
+    its session directories lie next to it."""
+    from ray._common.utils import get_ray_address_file
+
+    return get_ray_address_file(None)
+
+
+@dataclass(frozen=True)
+class GcsAnswer:
+    answered: bool                # a gRPC server answered the call (Ray's GCS, or one that refused it)
+    session_name: Optional[str]   # what Ray's GCS holds as this cluster's session, when it said
+
+
+def ask_gcs_session_name(address: str, timeout_s: float) -> GcsAnswer:
+    """The real RPC that a driver joining a cluster makes first (`ray.init` reads the session name
+    from the GCS's key-value store), with a deadline: ray.init itself waits about 40 s on an
+    address where no GCS answers. TLS and token auth as Ray's own clients set them up."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.ray_constants import KV_NAMESPACE_SESSION
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = init_grpc_channel(address)
+    try:
+        reply = gcs_service_pb2_grpc.InternalKVGcsServiceStub(channel).InternalKVGet(
+            gcs_service_pb2.InternalKVGetRequest(key=b"session_name", namespace=KV_NAMESPACE_SESSION),
+            timeout=timeout_s)
+    except grpc.RpcError as exc:
+        no_answer = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return GcsAnswer(answered=not no_answer, session_name=None)
+    finally:
+        channel.close()
+    name = reply.value.decode() if reply.status.code == 0 and reply.value else None
+    return GcsAnswer(answered=True, session_name=name)
 
 
 def forget_recorded_address() -> None:

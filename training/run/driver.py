@@ -52,7 +52,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     from training.run import preflight, trainer
     from training.run.finalize import finalize
     from training.run.resources import maximum_resources, worker_resources
-    from training.run.session import ray_session
+    from training.run.session import check_recorded_cluster, ray_session
 
     started = time.monotonic()
     timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
@@ -64,6 +64,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
     preflight.check_tracking(job, paths, record)
+    check_recorded_cluster()  # a leftover local cluster that cannot be joined, said before anything starts
     largest = maximum_resources()  # None: no launcher config on this machine
     manifest = preflight.prepare_checked(job.data, paths, preflight.job_checks(job, paths), log)
     timings["data_ready"] = time.time()

@@ -2,18 +2,18 @@
 driver belongs to, or start a local one, and leave it as it was found.
 
 Which cluster: inside a submitted job, or with $RAY_ADDRESS set, Ray's own address; else a cluster
-started on this machine with `ray start`, if it is alive; else a new local cluster for this
+started on this machine with `ray start`, if its GCS answers and its session is on disk; else a new local cluster for this
 process alone, stopped at the end.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from training.errors import UserError
 from training.plugins import plugin_module_paths
 from training.run.paths import in_submitted_job
 
@@ -54,7 +54,10 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
         return
     plugin_paths = [] if in_submitted_job() else plugin_module_paths(*plugin_specs)
     if own_cluster:
-        live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
+        try:
+            live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
+        except UserError:
+            pass  # a recorded cluster that cannot be joined: this driver starts its own anyway
         address = "local"
     else:
         address = None if os.environ.get("RAY_ADDRESS") else (live_local_cluster() or "local")
@@ -68,23 +71,65 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
         ray.shutdown()
 
 
+# How long the recorded cluster's GCS has to answer: a live one answers in milliseconds.
+GCS_ANSWER_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class RecordedClusterDecision:
+    """What to do with the cluster address that `ray start` recorded on this machine."""
+    join: bool                   # connect to it
+    forget: bool = False         # remove the record (as `ray stop` does) and start a local cluster
+    problem: Optional[str] = None  # neither: what is wrong and how to clear it (the user's to fix)
+
+
+def decide_recorded_cluster(address: str, record_file: str, answered: bool, session_name: Optional[str],
+                            session_dir_exists: bool) -> RecordedClusterDecision:
+    """`answered`, `session_name`: how the address answered Ray's first call (see
+    ray_private.ask_gcs_session_name); `session_dir_exists`: whether that session's directory is
+    next to the record. A port that is open is not enough: a cluster left by a killed run keeps
+    its GCS port open after its session files are deleted, and `ray.init` then fails after 40 s."""
+    if not answered:  # a killed cluster's record, or another program on its old port
+        return RecordedClusterDecision(join=False, forget=True)
+    if session_name is None or session_dir_exists:  # a refusal (auth, TLS) is Ray's own to explain
+        return RecordedClusterDecision(join=True)
+    session_dir = os.path.join(os.path.dirname(record_file), session_name)
+    return RecordedClusterDecision(join=False, problem=(
+        f"the Ray cluster recorded in {record_file} ({address}) is running but its session directory "
+        f"{session_dir} is gone (a run killed earlier left it): stop it with `ray stop` (or end its "
+        "processes), or set RAY_ADDRESS to the cluster to use, and run again"))
+
+
 def live_local_cluster() -> Optional[str]:
-    """The address of a cluster started on this machine with `ray start`, if it is alive. A dead
-    cluster's address (left in /tmp/ray/ray_current_cluster when its head was killed) is forgotten,
-    as `ray stop` would: `ray.init()` would wait on it, and so would the state API in every process
-    of the next cluster (40 s per call: Ray Train's placement-group cleaner stalls each run's end)."""
-    from training.adaptors.ray_private import forget_recorded_address, recorded_local_address
+    """The address of a cluster started on this machine with `ray start`, if it can be joined. A
+    dead cluster's address (left in /tmp/ray/ray_current_cluster when its head was killed) is
+    forgotten, as `ray stop` would: `ray.init()` would wait on it, and so would the state API in
+    every process of the next cluster (40 s per call: Ray Train's placement-group cleaner stalls
+    each run's end). A live cluster that cannot be joined raises UserError saying how to clear it."""
+    from training.adaptors import ray_private
 
     try:
-        address = recorded_local_address()
+        address = ray_private.recorded_local_address()
+        record_file = ray_private.recorded_address_file()
     except Exception:  # none recorded (or Ray's private helpers moved): start a local cluster
         return None
     if address is None:
         return None
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-    except (OSError, ValueError):
-        forget_recorded_address()
-        return None
-    return address
+    answer = ray_private.ask_gcs_session_name(address, GCS_ANSWER_TIMEOUT_S)
+    session_dir = os.path.join(os.path.dirname(record_file), answer.session_name or "")
+    decision = decide_recorded_cluster(address, record_file, answer.answered, answer.session_name,
+                                       bool(answer.session_name) and os.path.isdir(session_dir))
+    if decision.problem:
+        raise UserError(decision.problem)
+    if decision.forget:
+        ray_private.forget_recorded_address()
+    return address if decision.join else None
+
+
+def check_recorded_cluster() -> None:
+    """Before anything starts: UserError if this driver would join a recorded local cluster that
+    cannot be joined (see live_local_cluster)."""
+    import ray
+
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS") and not in_submitted_job():
+        live_local_cluster()
