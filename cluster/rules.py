@@ -1,28 +1,36 @@
-"""This project's static rules for a cluster config (after Ray's schema check): pure functions
-from the prepared config to CheckResults. Live AWS checks are in cluster/aws_checks.py."""
+"""Runs on the laptop (validate): this project's static rules for a cluster config, after Ray's
+schema check: pure functions from the prepared config to CheckResults. They read the commands
+the way Ray's launcher runs them (each entry in its own shell) and the security group as sets of
+addresses and ports. Live AWS checks are in cluster/aws_checks.py."""
 
 from __future__ import annotations
 
-import re
+import os
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
-import yaml
+from cluster.checks import (COMMAND_KEYS, LOOPBACK_HOSTS, CheckResult, Listener, auth_mode_at_ray_start,
+                            commands, declared_gpus, default_listeners, env_at, failed, flag_value,
+                            head_type, is_mlflow_server, is_spot, is_too_wide, listeners,
+                            option, passed, program, provider_type, public_span, reaches_internet,
+                            simple_commands, warned, worker_types, zones)
 
-from cluster.checks import (CheckResult, commands, declared_gpus, exports_auth_token, failed,
-                            flag_value, head_type, is_spot, passed, provider_type,
-                            warned, worker_types, zones)
-
-WORLD = {"0.0.0.0/0", "::/0"}
-# GCS, object manager, Ray client, dashboard, metrics export, dashboard agent (MLflow is added).
-RAY_PORTS = {6379: "GCS", 8076: "object manager", 10001: "Ray client", 8265: "dashboard",
-             8080: "metrics", 52365: "dashboard agent"}
 PLACEHOLDER_CIDRS = {"203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"}
+# More nodes than this in one cluster is a typo (1e9) or a blank cheque, not a plan.
+MAX_SANE_WORKERS = 1000
+# Variables whose value is a secret: the file may name a file or $(cat ...) them, never hold them.
+SECRET_VARIABLES = ("RAY_AUTH_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_AUTH_ADMIN_PASSWORD",
+                    "MLFLOW_FLASK_SERVER_SECRET_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+TOKEN_REMOTE = "~/.ray/auth_token"
+MLFLOW_CREDENTIALS_REMOTE = "~/.mlflow/credentials"  # MLflow clients read username/password here
 
 
 def static_checks(prepared: dict[str, Any], gpus_by_instance: dict[str, int],
-                  repo_root: Path | None = None) -> list[CheckResult]:
-    """Every static rule, in report order."""
+                  repo_root: Path | None = None, home: Path | None = None) -> list[CheckResult]:
+    """Every static rule, in report order. home is where `~` points on this machine (the laptop
+    that runs `ray up` and submits jobs)."""
+    home = home or Path.home()
     return [
         gpu_worker_type(prepared, gpus_by_instance),
         head_without_gpu(prepared, gpus_by_instance),
@@ -30,9 +38,12 @@ def static_checks(prepared: dict[str, Any], gpus_by_instance: dict[str, int],
         autoscaling_settings(prepared),
         spot_with_fallback(prepared, gpus_by_instance),
         availability_zones(prepared),
-        auth_token(prepared, repo_root),
+        auth_token(prepared, repo_root, home),
+        local_token(prepared, home),
         *network_exposure(prepared),
+        *node_hardening(prepared),
         storage_and_tracking(prepared),
+        mlflow_auth(prepared, repo_root, home),
         pinned_image(prepared),
     ]
 
@@ -61,6 +72,15 @@ def head_without_gpu(config: dict, gpus_by_instance: dict[str, int]) -> CheckRes
 
 
 def worker_counts(config: dict) -> CheckResult:
+    caps = {"max_workers": config.get("max_workers"),
+            **{f"available_node_types.{name}.max_workers": spec.get("max_workers")
+               for name, spec in worker_types(config).items()}}
+    absurd = [f"{field} is {value!r}" + (" (not a whole number)" if not isinstance(value, int) else "")
+              for field, value in caps.items() if value is not None
+              and (isinstance(value, bool) or not isinstance(value, int) or value > MAX_SANE_WORKERS)]
+    if absurd:
+        return failed("worker_counts", f"{'; '.join(absurd)}: the autoscaler may launch that many paid nodes; "
+                      f"set a whole number of at most {MAX_SANE_WORKERS} (what you mean to pay for)")
     problems = [f"{name}: min_workers {spec.get('min_workers', 0)} > max_workers {spec.get('max_workers', 0)}"
                 for name, spec in worker_types(config).items()
                 if spec.get("min_workers", 0) > spec.get("max_workers", 0)]
@@ -101,67 +121,193 @@ def availability_zones(config: dict) -> CheckResult:
     return warned("zones", "list several zones in provider.availability_zone: spot capacity differs per zone")
 
 
-def auth_token(config: dict, repo_root: Path | None) -> CheckResult:
-    head, workers = commands(config, "head_start_ray_commands"), commands(config, "worker_start_ray_commands")
-    off = [role for role, script in (("head", head), ("worker", workers)) if not exports_auth_token(script)]
-    if off:
-        return failed("auth_token", f"token authentication is off on the {' and '.join(off)}: "
-                      "`export RAY_AUTH_MODE=token;` before `ray start` in the start commands")
-    if re.search(r"RAY_AUTH_TOKEN\s*=\s*[\"']?[A-Za-z0-9]{8,}", yaml.safe_dump(config)):
-        return failed("auth_token", "a literal RAY_AUTH_TOKEN is in the config: ship it as a file, never inline")
-    mounts = config.get("file_mounts") or {}
-    shipped = {remote: local for remote, local in mounts.items() if str(remote).rstrip("/").endswith(".ray/auth_token")}
-    if not shipped:
-        return failed("auth_token", "the token is not shipped: add file_mounts `~/.ray/auth_token: ~/.ray/auth_token`")
-    local = Path(str(next(iter(shipped.values())))).expanduser().resolve()
-    if repo_root is not None and local.is_relative_to(repo_root.resolve()):
-        return failed("auth_token", f"the token file {local} is inside the repository: keep it in ~/.ray/auth_token")
-    return passed("auth_token", f"RAY_AUTH_MODE=token on head and workers; token shipped from {local}")
+# --- token authentication and secrets -----------------------------------------------------
 
 
-def _ports(rule: dict) -> tuple[int, int]:
-    if str(rule.get("IpProtocol")) == "-1" or rule.get("FromPort", -1) == -1:
+def container_env(config: dict, role: str) -> dict[str, str]:
+    """Variables every command of a node of this role starts with: `--env`/`-e` in the docker
+    run options (commands run inside the container when there is one)."""
+    docker = config.get("docker") or {}
+    if not (docker.get("image") or docker.get(f"{role}_image")):
+        return {}
+    options = " ".join(str(o) for o in [*(docker.get("run_options") or []), *(docker.get(f"{role}_run_options") or [])])
+    try:
+        words = shlex.split(options)
+    except ValueError:  # an unclosed quote: docker would refuse it too
+        words = options.split()
+    env = {}
+    for i, word in enumerate(words):
+        value = (words[i + 1] if word in ("-e", "--env") and i + 1 < len(words)
+                 else word[len("--env="):] if word.startswith("--env=") else "")
+        if "=" in value:
+            key, value = value.split("=", 1)
+            env[key] = value
+    return env
+
+
+def _literal(value: str) -> bool:
+    """A value written out in the file, not a reference ($VAR, $(cat file)) or a file path."""
+    return bool(value) and "$" not in value and "/" not in value and not value.startswith("-")
+
+
+def _shell_texts(config: dict) -> list[tuple[str, str]]:
+    """(where, text) of every shell command and docker option list in the config."""
+    texts = [(f"{key}[{i}]", str(command)) for key in COMMAND_KEYS for i, command in enumerate(config.get(key) or [])]
+    docker = config.get("docker") or {}
+    texts += [(f"docker.{key}", " ".join(str(o) for o in docker.get(key) or []))
+              for key in ("run_options", "head_run_options", "worker_run_options") if docker.get(key)]
+    return texts
+
+
+def literal_secrets(config: dict) -> list[tuple[str, str]]:
+    """(where, what) for each secret written out in the file: `NAME=<literal>`, `--env NAME
+    <literal>`, or `echo <literal> > ...auth_token`. The secret itself is never repeated."""
+    found = []
+    for where, text in _shell_texts(config):
+        simples = simple_commands(text)
+        for n, simple in enumerate(simples):
+            words = [f"{k}={v}" for k, v in simple.assignments] + list(simple.argv)
+            for i, word in enumerate(words):
+                for name in SECRET_VARIABLES:
+                    at = word.find(name + "=")
+                    if at >= 0 and (at == 0 or not (word[at - 1].isalnum() or word[at - 1] == "_")) \
+                            and _literal(word[at + len(name) + 1:]):
+                        found.append((where, f"{name}=<literal>"))
+                    elif word == name and i + 1 < len(words) and _literal(words[i + 1]):
+                        found.append((where, f"{name} <literal>"))
+            _, argv = program(simple)
+            if argv[:1] in (("echo",), ("printf",)) and any(_literal(w) for w in argv[1:]):
+                piped_to = [s.argv for s in simples[n + 1:n + 2] if s.joined_by == "|"]
+                targets = [*simple.redirects, *(w for a in piped_to if a[:1] == ("tee",) for w in a[1:])]
+                if any("auth_token" in target for target in targets):
+                    found.append((where, "a literal token written to auth_token"))
+    return list(dict.fromkeys(found))
+
+
+def _on_laptop(local: str, home: Path) -> Path:
+    """A file_mounts source path on this machine (`~` is home; relative: the directory `ray up` runs in)."""
+    local = str(local)
+    path = home / local[2:] if local.startswith("~/") else Path(local)
+    return path.resolve()
+
+
+def _mounted_from(config: dict, remote: str) -> str | None:
+    """The local source of the file_mounts entry for this remote path (`~/x` and `$HOME/x` alike)."""
+    def normal(path: str) -> str:
+        return str(path).replace("$HOME/", "~/").replace("${HOME}/", "~/").rstrip("/")
+    mounts = {normal(r): local for r, local in (config.get("file_mounts") or {}).items()}
+    return mounts.get(normal(remote))
+
+
+def _inside(path: Path, repo_root: Path | None) -> bool:
+    return repo_root is not None and path.is_relative_to(repo_root.resolve())
+
+
+def auth_token(config: dict, repo_root: Path | None, home: Path) -> CheckResult:
+    problems = []
+    for role in ("head", "worker"):
+        key = f"{role}_start_ray_commands"
+        initial = container_env(config, role)
+        starts = [(i, mode) for i, command in enumerate(config.get(key) or [])
+                  for mode in auth_mode_at_ray_start(str(command), initial)]
+        if not starts:
+            problems.append(f"no `ray start` in {key}")
+        for i, mode in starts:
+            if mode == "token":
+                continue
+            command = str(config[key][i])
+            why = (f"RAY_AUTH_MODE={mode}" if mode else
+                   "RAY_AUTH_MODE unset (`unset` before it)" if "unset RAY_AUTH_MODE" in command else
+                   "RAY_AUTH_MODE unset (an export in another command does not reach it: each command "
+                   "runs in a new shell)" if any("RAY_AUTH_MODE=token" in str(c) for c in config[key]) else
+                   "RAY_AUTH_MODE unset")
+            problems.append(f"{key}[{i}]: `ray start` runs with {why}")
+    if problems:
+        return failed("auth_token", "token authentication is off: " + "; ".join(problems) +
+                      "; set it in the command that starts Ray: `export RAY_AUTH_MODE=token && ray start ...`")
+    literals = [f"{what} in {where}" for where, what in literal_secrets(config)
+                if "RAY_AUTH_TOKEN" in what or "auth_token" in what]
+    if literals:
+        return failed("auth_token", f"a token is written in the file ({'; '.join(literals)}): ship "
+                      f"{TOKEN_REMOTE} by file_mounts, never inline")
+    local = _mounted_from(config, TOKEN_REMOTE)
+    if local is None:
+        return failed("auth_token", f"the token is not shipped: add file_mounts `{TOKEN_REMOTE}: {TOKEN_REMOTE}`")
+    if _inside(_on_laptop(local, home), repo_root):
+        return failed("auth_token", f"the token file {_on_laptop(local, home)} is inside the repository: "
+                      f"keep it in {TOKEN_REMOTE}")
+    return passed("auth_token", f"RAY_AUTH_MODE=token in every command that runs `ray start`; token shipped from {local}")
+
+
+def local_token(config: dict, home: Path) -> CheckResult:
+    """The laptop needs the token too: `ray up` copies it, `ray job submit` and the dashboard send it."""
+    local = _mounted_from(config, TOKEN_REMOTE) or TOKEN_REMOTE
+    path = _on_laptop(local, home)
+    if not path.is_file():
+        return warned("local_token", f"{path} does not exist on this machine: run `ray get-auth-token --generate` "
+                      "before `ray up` (it copies the file to every node; `ray job submit` and the dashboard "
+                      "need it here)")
+    if os.name == "posix" and path.stat().st_mode & 0o077:
+        return warned("local_token", f"{path} is readable by other users: chmod 600 {path}")
+    return passed("local_token", f"{path} exists, readable by you only")
+
+
+# --- what the internet can reach -----------------------------------------------------------
+
+
+def _ports(rule: dict) -> tuple[int, int] | None:
+    """The TCP port range an ingress rule opens (Ray and MLflow speak TCP only); None for UDP/ICMP."""
+    protocol = str(rule.get("IpProtocol", "-1")).lower()
+    if protocol in ("-1", "all"):
         return 0, 65535
-    return int(rule.get("FromPort", 0)), int(rule.get("ToPort", rule.get("FromPort", 0)))
+    if protocol not in ("tcp", "6"):
+        return None
+    low = rule.get("FromPort", -1)
+    if low in (-1, None):
+        return 0, 65535
+    high = rule.get("ToPort", low)
+    return int(low), 65535 if high in (-1, None) else int(high)
 
 
-def _sources(rule: dict) -> set[str]:
-    return ({r.get("CidrIp", "") for r in rule.get("IpRanges", [])}
-            | {r.get("CidrIpv6", "") for r in rule.get("Ipv6Ranges", [])})
+def _sources(rule: dict) -> list[str]:
+    return ([str(r.get("CidrIp", "")) for r in rule.get("IpRanges", []) or []]
+            + [str(r.get("CidrIpv6", "")) for r in rule.get("Ipv6Ranges", []) or []])
 
 
-def exposure(rules: list[dict], mlflow_port: int) -> tuple[list[str], list[str], list[str]]:
-    """(Ray/MLflow ports open to the world, SSH open to the world?, SSH sources): the policy
-    shared by the static rule (config) and the live one (an existing security group)."""
-    ports = {**RAY_PORTS, mlflow_port: "MLflow"}
-    open_ray, ssh_world, ssh_sources = [], [], []
+def exposure(rules: list[dict], mlflow_port: int = 5000, listening: Sequence[Listener] | None = None,
+             trusted: Iterable[str] = ()) -> tuple[list[str], list[str], list[str]]:
+    """(Ray/MLflow ports the internet reaches, SSH ranges too wide to be one network, SSH sources):
+    the policy shared by the static rule (config) and the live one (an existing security group).
+    listening: what the nodes listen on (default: plain `ray start` and MLflow on mlflow_port);
+    trusted: ranges that are not the internet besides private space (the cluster's VPC)."""
+    listening = sorted(default_listeners(mlflow_port) if listening is None else listening,
+                       key=lambda item: (item.low, item.high))
+    trusted = list(trusted)
+    open_ports, ssh_sources = [], []
     for rule in rules:
-        low, high = _ports(rule)
-        world = _sources(rule) & WORLD
-        if world:
-            open_ray += [f"{port} ({what})" for port, what in sorted(ports.items()) if low <= port <= high]
-            if low <= 22 <= high:
-                ssh_world.append(next(iter(world)))
+        ports = _ports(rule)
+        if ports is None:
+            continue
+        low, high = ports
+        if any(reaches_internet(source, trusted) for source in _sources(rule)):
+            open_ports += [item.label() for item in listening if item.low <= high and low <= item.high]
         if low <= 22 <= high:
             ssh_sources += sorted(_sources(rule))
-    return open_ray, ssh_world, ssh_sources
+    ssh_world = [span for span in public_span(ssh_sources) if is_too_wide(span)]
+    return list(dict.fromkeys(open_ports)), ssh_world, ssh_sources
 
 
 def network_exposure(config: dict) -> list[CheckResult]:
-    head = commands(config, "head_start_ray_commands")
-    host = flag_value(head, "--dashboard-host")
-    bind = (warned("bind_address", f"dashboard bound to {host}: bind 127.0.0.1 and use `ray dashboard`")
-            if host not in (None, "127.0.0.1", "localhost")
-            else passed("bind_address", "dashboard on loopback (reach it with `ray dashboard CLUSTER.yaml`)"))
+    listening = listeners(config)
     if provider_type(config) != "aws":
         return [warned("open_ports", f"{provider_type(config)} provider: no firewall in this file; keep Ray "
-                       "and MLflow ports reachable from cluster machines only"), bind]
+                       "and MLflow ports reachable from cluster machines only"), dashboard_binding(listening, [])]
     rules = config.get("provider", {}).get("security_group", {}).get("IpPermissions", []) or []
-    open_ray, ssh_world, ssh_sources = exposure(rules, mlflow_port(config))
+    open_ray, ssh_world, ssh_sources = exposure(rules, mlflow_port(config), listening)
     results = [failed("open_ports", f"open to the internet: {', '.join(open_ray)}; remove the rule, use SSH tunnels")
                if open_ray else passed("open_ports", "no Ray, dashboard or MLflow port open to the internet")]
     if ssh_world:
-        results.append(failed("ssh_cidr", f"SSH open to {ssh_world[0]}: restrict it to your network's CIDR"))
+        results.append(failed("ssh_cidr", f"SSH open to {', '.join(ssh_world)}: restrict it to your network's CIDR"))
     elif not ssh_sources:
         results.append(warned("ssh_cidr", "no SSH rule: if Ray creates the security group it opens SSH to "
                               "0.0.0.0/0; add a rule with your CIDR"))
@@ -169,11 +315,74 @@ def network_exposure(config: dict) -> list[CheckResult]:
         results.append(warned("ssh_cidr", f"SSH from {', '.join(ssh_sources)}: a documentation range; set your CIDR"))
     else:
         results.append(passed("ssh_cidr", f"SSH only from {', '.join(ssh_sources)}"))
-    return [*results, bind]
+    return [*results, dashboard_binding(listening, open_ray)]
+
+
+def dashboard_binding(listening: Sequence[Listener], open_to_internet: Sequence[str]) -> CheckResult:
+    dashboard = next((item for item in listening if item.what == "dashboard"), None)
+    if dashboard is None:
+        return passed("bind_address", "no dashboard started by this file")
+    if dashboard.host in LOOPBACK_HOSTS:
+        return passed("bind_address", "dashboard on loopback (reach it with `ray dashboard CLUSTER.yaml`)")
+    if dashboard.label() in open_to_internet:
+        return failed("bind_address", f"dashboard bound to {dashboard.host} with port {dashboard.low} open to the "
+                      "internet: anyone can submit jobs; bind 127.0.0.1 and use `ray dashboard`")
+    return warned("bind_address", f"dashboard bound to {dashboard.host}: bind 127.0.0.1 and use `ray dashboard`")
+
+
+# --- the EC2 instances themselves ----------------------------------------------------------
+
+
+def node_hardening(config: dict) -> list[CheckResult]:
+    """IMDSv2 and encrypted volumes on every node type, head and workers alike."""
+    if provider_type(config) != "aws":
+        return []
+    docker = config.get("docker") or {}
+    imdsv1, unencrypted, hops = [], [], []
+    for name, spec in config.get("available_node_types", {}).items():
+        node = spec.get("node_config") or {}
+        metadata = node.get("MetadataOptions")
+        if not metadata:
+            imdsv1.append(f"{name} (no MetadataOptions: AWS allows IMDSv1)")
+        elif str(metadata.get("HttpTokens", "optional")).lower() != "required":
+            imdsv1.append(f"{name} (HttpTokens {metadata.get('HttpTokens', 'unset')})")
+        mappings = node.get("BlockDeviceMappings")
+        if not mappings:
+            unencrypted.append(f"{name} (no BlockDeviceMappings: the AMI's volume as it is)")
+        unencrypted += [f"{name} ({m.get('DeviceName', '?')})" for m in mappings or []
+                        if "Ebs" in m and (m.get("Ebs") or {}).get("Encrypted") is not True]
+        role = "head" if name == config.get("head_node_type") else "worker"
+        containers = bool(docker.get("image") or docker.get(f"{role}_image"))
+        hop = int((metadata or {}).get("HttpPutResponseHopLimit", 1))
+        if hop > 1 and not containers:
+            hops.append(f"{name} has hop limit {hop} but runs no containers: set 1 (only a container, "
+                        "one hop further, needs 2)")
+        elif hop < 2 and containers:
+            hops.append(f"{name} runs containers with hop limit {hop}: they cannot reach IMDSv2 (the spot "
+                        "watcher and instance-profile credentials need 2)")
+    return [
+        failed("imdsv2", f"IMDSv1 allowed on {', '.join(imdsv1)}: set MetadataOptions: {{HttpTokens: required}}")
+        if imdsv1 else passed("imdsv2", "IMDSv2 required on every node type"),
+        failed("ebs_encryption", f"unencrypted volumes: {', '.join(unencrypted)}; declare each with Ebs: "
+               "{Encrypted: true}") if unencrypted else passed("ebs_encryption", "every EBS volume encrypted"),
+        warned("imds_hop_limit", "; ".join(hops)) if hops
+        else passed("imds_hop_limit", "IMDS hop limit fits each node (2 with containers, else 1)"),
+    ]
+
+
+# --- run storage and MLflow ----------------------------------------------------------------
+
+
+def mlflow_servers(config: dict) -> list[tuple[tuple[str, ...], dict[str, str]]]:
+    """(argv, environment) of every `mlflow server` the head's start commands run."""
+    initial = container_env(config, "head")
+    return [found for command in config.get("head_start_ray_commands") or []
+            for found in env_at(str(command), is_mlflow_server, initial)]
 
 
 def mlflow_port(config: dict) -> int:
-    return int((config.get("metadata") or {}).get("mlflow_port", 5000))
+    started = [item for item in listeners(config) if item.what == "MLflow"]
+    return started[0].low if started else int((config.get("metadata") or {}).get("mlflow_port", 5000))
 
 
 def storage_and_tracking(config: dict) -> CheckResult:
@@ -182,16 +391,52 @@ def storage_and_tracking(config: dict) -> CheckResult:
     if not shared:
         return failed("storage_tracking", "set metadata.storage_path to storage every node reaches "
                       "(s3://bucket/prefix; on-prem also a shared filesystem path)")
-    head, workers = commands(config, "head_start_ray_commands"), commands(config, "worker_start_ray_commands")
-    if "mlflow server" not in head or "MLFLOW_TRACKING_URI" not in workers:
+    servers = mlflow_servers(config)
+    if not servers or "MLFLOW_TRACKING_URI" not in commands(config, "worker_start_ray_commands"):
         return failed("storage_tracking", "start `mlflow server` on the head and export MLFLOW_TRACKING_URI "
                       "in worker_start_ray_commands")
-    if flag_value(head, "--host") in ("0.0.0.0", "::"):
+    argv = servers[0][0]
+    if (option(argv, "--host", "-h") or "127.0.0.1") in ("0.0.0.0", "::"):
         return warned("storage_tracking", "MLflow bound to all interfaces: bind the head's private address")
-    artifacts = flag_value(head, "--artifacts-destination") or ""
+    artifacts = option(argv, "--artifacts-destination") or ""
     if provider_type(config) == "aws" and not artifacts.startswith("s3://"):
         return failed("storage_tracking", "MLflow artifacts must go to S3 (--artifacts-destination s3://...)")
     return passed("storage_tracking", f"runs in {storage}; MLflow on the head, artifacts in {artifacts or 'its store'}")
+
+
+def mlflow_auth(config: dict, repo_root: Path | None, home: Path) -> CheckResult:
+    """MLflow's basic-auth app, its config and the clients' credentials shipped from outside the
+    repository (MLflow has no other login: without it anyone who reaches the port edits runs)."""
+    literals = [f"{what} in {where}" for where, what in literal_secrets(config)
+                if not ("RAY_AUTH_TOKEN" in what or "auth_token" in what)]
+    if literals:
+        return failed("mlflow_auth", f"a secret is written in the file ({'; '.join(literals)}): read it from a "
+                      "file shipped by file_mounts")
+    servers = mlflow_servers(config)
+    if not servers:
+        return passed("mlflow_auth", "no MLflow server started by this file")
+    argv, env = servers[0]
+    if option(argv, "--app-name") != "basic-auth":
+        return warned("mlflow_auth", "MLflow starts without authentication: add `--app-name basic-auth` with "
+                      "MLFLOW_AUTH_CONFIG_PATH set to an ini file shipped by file_mounts")
+    problems, mounts = [], {}
+    if "MLFLOW_FLASK_SERVER_SECRET_KEY" not in env:
+        problems.append("MLFLOW_FLASK_SERVER_SECRET_KEY is not set for `mlflow server` (it refuses to start)")
+    config_path = env.get("MLFLOW_AUTH_CONFIG_PATH")
+    for what, remote in (("MLFLOW_AUTH_CONFIG_PATH", config_path), ("clients' credentials", MLFLOW_CREDENTIALS_REMOTE)):
+        local = _mounted_from(config, remote) if remote else None
+        if local is None:
+            problems.append(f"{what} ({remote or 'unset'}) is not shipped by file_mounts")
+        else:
+            mounts[remote] = _on_laptop(local, home)
+    inside = [str(path) for path in mounts.values() if _inside(path, repo_root)]
+    if inside:
+        return failed("mlflow_auth", f"MLflow credentials mounted from inside the repository: {', '.join(inside)}")
+    problems += [f"{path} does not exist on this machine" for path in dict.fromkeys(mounts.values())
+                 if not path.is_file()]
+    if problems:
+        return warned("mlflow_auth", "; ".join(problems) + " (the header of cluster.yaml says what the file holds)")
+    return passed("mlflow_auth", f"MLflow basic-auth; credentials from {', '.join(map(str, dict.fromkeys(mounts.values())))}")
 
 
 def pinned_image(config: dict) -> CheckResult:

@@ -1,5 +1,6 @@
-"""Preflight of a cluster config: Ray's schema, this project's rules, then live AWS checks when
-credentials are present. Returns the report; the CLI turns it into lines and an exit code."""
+"""Runs on the laptop: preflight of a cluster config: Ray's schema, this project's rules, then live
+AWS checks when credentials are present. Returns the report; the CLI turns it into lines and an
+exit code."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def validate_cluster(path: str | os.PathLike, *, env: Mapping[str, str] = os.env
     """All checks for one cluster file. Raises ConfigError when the file is unusable."""
     _, prepared = load_and_prepare(path)
     results = [passed("ray_schema", "Ray's launcher schema accepts the config")]
-    results += static_checks(prepared, load_price_table().gpus_by_instance(), _repo_root(Path(path)))
+    home = Path(env["HOME"]) if env.get("HOME") else None  # where the laptop's ~/.ray/auth_token is
+    results += static_checks(prepared, load_price_table().gpus_by_instance(), _repo_root(Path(path)), home)
     results += live_results(prepared, env=env, live=live, session=session, quota_lookup=quota_lookup)
     return results
 
