@@ -209,3 +209,39 @@ def test_rebase_of_a_sharded_checkpoint_loads_at_any_world_size(tmp_path):
         assert seed_group["lr"] == pytest.approx(0.5 * TRIAL.lr) and seed_group["initial_lr"] == TRIAL.lr
         assert seed_group["weight_decay"] == 0.0 and tuple(seed_group["betas"]) == (0.8, 0.99)
         assert as_seed["base_lrs"] == [TRIAL.lr] and as_seed["last_lr"] == [pytest.approx(0.5 * TRIAL.lr)]
+
+
+@pytest.mark.parametrize("model_format", ["pt2", "pickle"])
+def test_the_final_model_is_logged_in_the_configured_format(tmp_path, monkeypatch, model_format):
+    """The final model (from the last checkpoint) is logged as a torch.export graph by default,
+    which loads with pickle deserialisation refused and takes any batch size; pickle is opt-in."""
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from training import config as config_lib
+    from training.models import build_model
+    from training.run import finalize
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = build_model("digits_mlp", {}, {"task": "classification", "input_dim": 64, "num_classes": 10}).eval()
+    monkeypatch.setattr(finalize, "sample_input", lambda manifest: torch.rand(4, 64))
+    job = config_lib.JobConfig(tracking={"register_model": False, "model_format": model_format})
+    run_id = mlflow.MlflowClient(uri).create_run(mlflow.MlflowClient(uri).create_experiment("e")).info.run_id
+    logged = finalize.log_model(job, None, model, SimpleNamespace(tracking_uri=uri, run_id=run_id))
+    assert logged["model_format"] == model_format
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        files = {Path(p).name for p in Path(mlflow.artifacts.download_artifacts(logged["model_uri"])).rglob("*")}
+        if model_format == "pickle":
+            assert "model.pth" in files and "model.pt2" not in files
+            return
+        assert "model.pt2" in files and "model.pth" not in files
+        monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+        loaded = mlflow.pytorch.load_model(logged["model_uri"])
+    finally:
+        mlflow.set_tracking_uri(None)
+    x = torch.rand(7, 64)
+    assert torch.allclose(loaded(x), model(x), atol=1e-6)

@@ -190,6 +190,9 @@ class TrackingConfig(Section):
     # Export the final model to ONNX (checked against PyTorch with onnxruntime) and log it as an
     # artifact. Default: on for built-in models, off for plug-ins. A failed export only warns.
     export_onnx: Optional[bool] = None
+    # How the final model is logged to MLflow: "pt2" (torch.export: loading runs no code of the
+    # model's) or "pickle" (any model, but loading it unpickles, which can run arbitrary code).
+    model_format: Literal["pt2", "pickle"] = "pt2"
 
     @field_validator("registered_model_name")
     @classmethod

@@ -43,6 +43,8 @@ def registered_model_name(job: JobConfig) -> str:
 
 
 def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict:
+    """Log (and register) the final model in `tracking.model_format`: "pt2", a torch.export graph
+    that loads without unpickling anything, or "pickle", opted into, for what cannot be exported."""
     import mlflow
     import mlflow.pytorch
     from mlflow.models import infer_signature
@@ -52,12 +54,24 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
         output = model(sample).numpy()
     signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
     name = registered_model_name(job) if job.tracking.register_model else None
+    model_format = job.tracking.model_format
+    if model_format == "pt2":  # traced on the sample (of more than one row: the batch size stays dynamic)
+        by_format = {"input_example": sample.numpy()}
+    else:  # unpickling imports the model's classes: ship this package with it
+        by_format = {"code_paths": [str(Path(__file__).resolve().parents[1])]}
     with fluent_mlflow(tracker.tracking_uri), mlflow.start_run(run_id=tracker.run_id):
-        info = mlflow.pytorch.log_model(
-            model, name="model", signature=signature, serialization_format="pickle",
-            code_paths=[str(Path(__file__).resolve().parents[1])], registered_model_name=name,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
-    return {"model_uri": info.model_uri, "registered_model": name,
+        try:
+            info = mlflow.pytorch.log_model(
+                model, name="model", signature=signature, serialization_format=model_format,
+                registered_model_name=name, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+                **by_format)
+        except Exception as exc:
+            if model_format != "pt2":
+                raise
+            raise RuntimeError("the model could not be exported with torch.export for tracking.model_format pt2; "
+                               "set tracking.model_format: pickle to log it as a pickle (loading one runs code) "
+                               f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
+    return {"model_uri": info.model_uri, "registered_model": name, "model_format": model_format,
             "registered_version": getattr(info, "registered_model_version", None)}
 
 
