@@ -99,7 +99,10 @@ def load_yaml(data: bytes | str, source: str) -> Any:
         except UnicodeDecodeError as exc:
             raise ValueError(f"{source} is not UTF-8 text (an undecodable byte at offset {exc.start}); "
                              "is it the right file?") from None
-    loader = _StrictLoader(data)
+    try:
+        loader = _StrictLoader(data)  # (refuses a control character such as NUL here, before parsing)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source} is not valid YAML: {exc}") from None
     try:
         node = loader.get_single_node()
         if node is None:

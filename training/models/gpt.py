@@ -30,7 +30,7 @@ class GPTOptions(Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") in PRESETS:
+        if isinstance(data, dict) and isinstance(data.get("preset"), str) and data["preset"] in PRESETS:
             return {**PRESETS[data["preset"]], **data}
         return data
 
