@@ -44,6 +44,7 @@ BAD_SWEEPS = [
      "space.train.global_batch_size: PBT continues trials from each other's checkpoints, data position included"),
     (GOOD + "set: train.max_steps=5\n", [], "set: must be a list of KEY=VALUE overrides"),
     (GOOD, ["--set", "tracking.cluster_config=nope.yaml"], "tracking.cluster_config: "),
+    (GOOD, ["--set", "search.seed=-1"], "search.seed: Input should be greater than or equal to 0"),
     (GOOD, ["--set", "tracking.registered_model_name=a/b"], "tracking.registered_model_name: 'a/b' contains '/'"),
     (GOOD.replace(str(DIGITS), "job.yaml"), [], "base: job config job.yaml does not exist; a relative path is "
      "looked up next to the sweep file, then in the working directory"),

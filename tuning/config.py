@@ -27,7 +27,8 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 class SearchConfig(Section):
     # random: independent draws; grid: every combination of choice/grid values; optuna: TPE.
     algorithm: Literal["random", "grid", "optuna"] = "random"
-    seed: Optional[int] = 0
+    # Seeds the draws (numpy's RandomState, in Tune and in Optuna, takes 0 to 2**32 - 1); null: unseeded.
+    seed: Optional[int] = Field(0, ge=0, lt=2 ** 32)
 
 
 class SchedulerConfig(Section):
