@@ -161,3 +161,34 @@ def test_plugin_source_rejects_wrong_shapes(tmp_path):
         prepare(DataConfig(source="no_such_module:fn"), str(tmp_path), log=quiet)
     with pytest.raises(UserError, match="rejected data.options"):
         prepare(DataConfig(source="plugins.examples:blobs", options={"colour": 1}), str(tmp_path), log=quiet)
+
+
+def test_a_changed_shard_of_a_reused_dataset_is_refused(tmp_path):
+    """The SHA-256 recorded for each shard is checked when the driver takes a prepared dataset:
+    a shard edited in place (same rows, same size), cut short or removed is named, and the run
+    refused with how to clear it."""
+    from training.data.loader import changed_shard
+    from training.run.driver import check_shards
+
+    manifest = prepare(DataConfig(source="digits", num_shards=2), str(tmp_path), log=quiet)
+    assert changed_shard(manifest) is None
+    check_shards(manifest)  # unchanged: nothing said
+    shard = tmp_path / os.path.basename(manifest.root) / "train" / "part-00001.parquet"
+    original = shard.read_bytes()
+
+    table = pq.read_table(shard)
+    labels = table.column("y").to_numpy()
+    pq.write_table(table.set_column(table.schema.get_field_index("y"), "y", pa.array((labels + 1) % 10, type=table.column("y").type)), shard,
+                   compression="zstd")
+    again = prepare(DataConfig(source="digits", num_shards=2), str(tmp_path), log=quiet)  # reused as it is
+    assert "train/part-00001.parquet has SHA-256" in changed_shard(again)
+    with pytest.raises(UserError, match=r"changed since it was prepared: shard train/part-00001.parquet .*"
+                                        r"remove that directory and run again"):
+        check_shards(again)
+
+    shard.write_bytes(original[: len(original) // 2])
+    assert "train/part-00001.parquet is not a readable Parquet file" in changed_shard(again)
+    shard.unlink()
+    assert changed_shard(again) == "shard train/part-00001.parquet is missing"
+    shard.write_bytes(original)
+    assert changed_shard(again) is None

@@ -8,11 +8,15 @@ sequence of global batches, and a run resumed at step s reads exactly what it wo
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
 from training import storage
@@ -124,3 +128,35 @@ class TrainShard:
 def validation_part(reader: SplitReader, world_size: int, rank: int) -> dict[str, torch.Tensor]:
     indices = np.array_split(np.arange(reader.num_rows), world_size)[rank]
     return reader.take(indices)
+
+
+def changed_shard(manifest: Manifest, chunk_bytes: int = 8 << 20) -> Optional[str]:
+    """Why a shard of a prepared dataset is not what its manifest recorded, or None when every one
+    is. Run once by the driver when it takes a prepared dataset (not per epoch, not per worker):
+    the cheap checks first (the file is there, its size when recorded, the row count in its
+    Parquet footer), then the SHA-256 of its bytes. Data read in place (no shards) is not checked."""
+    fs, _ = storage.filesystem(manifest.root)
+    shards = [(split, shard) for split, body in manifest.splits.items() for shard in body.get("shards", ())]
+    paths = [storage.filesystem(storage.join(manifest.root, shard["path"]))[1] for _, shard in shards]
+    infos = fs.get_file_info(paths) if paths else []
+    for (split, shard), path, info in zip(shards, paths, infos):
+        if info.type != pafs.FileType.File:
+            return f"shard {shard['path']} is missing"
+        if shard.get("bytes") is not None and info.size != shard["bytes"]:
+            return f"shard {shard['path']} has {info.size} bytes, {shard['bytes']} when it was prepared"
+    for (split, shard), path in zip(shards, paths):
+        try:
+            rows = pq.ParquetFile(fs.open_input_file(path)).metadata.num_rows
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            return f"shard {shard['path']} is not a readable Parquet file ({str(exc).splitlines()[0][:120]})"
+        if rows != shard["rows"]:
+            return f"shard {shard['path']} has {rows} rows, {shard['rows']} when it was prepared"
+    for (split, shard), path in zip(shards, paths):
+        digest = hashlib.sha256()
+        with fs.open_input_stream(path) as stream:
+            while chunk := stream.read(chunk_bytes):
+                digest.update(chunk)
+        if digest.hexdigest() != shard["sha256"]:
+            return (f"shard {shard['path']} has SHA-256 {digest.hexdigest()[:12]}..., "
+                    f"{shard['sha256'][:12]}... when it was prepared")
+    return None

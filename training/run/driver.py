@@ -67,6 +67,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     check_recorded_cluster()  # a leftover local cluster that cannot be joined, said before anything starts
     largest = maximum_resources()  # None: no launcher config on this machine
     manifest = preflight.prepare_checked(job.data, paths, preflight.job_checks(job, paths), log)
+    check_shards(manifest)
     timings["data_ready"] = time.time()
 
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
@@ -107,6 +108,17 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     finalize(job, manifest, result, tracker, summary, log)
     tracker.finish("FINISHED")
     return summary
+
+
+def check_shards(manifest) -> None:
+    """UserError if a shard of the prepared data changed since it was prepared (its SHA-256 is in
+    the manifest): the run would train on other data than its record says, and resume inexactly."""
+    from training.data.loader import changed_shard
+
+    problem = changed_shard(manifest)
+    if problem:
+        raise UserError(f"data: the prepared dataset at {redact(manifest.root)} changed since it was prepared: "
+                        f"{problem}; remove that directory and run again to prepare it anew")
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,
