@@ -116,7 +116,8 @@ SUBSTITUTION = "$__substituted__"  # stands for $(...) and `...`: a value comput
 _OPERATORS = re.compile(r"&&|\|\||>>|>&|&>|<<|[;&|()<>\n]")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # Wrappers that run the next word as the command, with the same environment.
-_WRAPPERS = {"nohup", "exec", "time", "command", "nice", "stdbuf"}
+_WRAPPERS = {"nohup", "exec", "time", "command"}
+_SHELLS = {"bash", "sh", "dash", "zsh"}
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,9 @@ def env_at(command: str, runs: Callable[[tuple[str, ...]], bool],
         elif runs(argv):
             env = {**exported, **changes}
             seen.append((argv, {key: value for key, value in env.items() if value is not None}))
+        elif argv and os.path.basename(argv[0]) in _SHELLS and option(argv, "-c"):  # bash -c '...'
+            env = {key: value for key, value in {**exported, **changes}.items() if value is not None}
+            seen += env_at(option(argv, "-c") or "", runs, env)
     return seen
 
 
@@ -311,7 +315,6 @@ def exports_auth_token(command: str, initial: Mapping[str, str] | None = None) -
 # A port given as 0 (or left to Ray) is picked by the kernel from Linux's ephemeral range.
 EPHEMERAL_PORTS = (32768, 60999)
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
-ALL_INTERFACES = {"0.0.0.0", "::", "[::]", ""}
 
 
 @dataclass(frozen=True)
@@ -373,10 +376,8 @@ def listeners(config: dict[str, Any]) -> list[Listener]:
     found: list[Listener] = []
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         for command in config.get(key) or []:
-            for simple in simple_commands(str(command)):
-                _, argv = program(simple)
-                found += ray_start_listeners(argv) if is_ray_start(argv) else []
-                found += [mlflow_listener(argv)] if is_mlflow_server(argv) else []
+            for argv, _ in env_at(str(command), lambda a: is_ray_start(a) or is_mlflow_server(a)):
+                found += ray_start_listeners(argv) if is_ray_start(argv) else [mlflow_listener(argv)]
     return list(dict.fromkeys(found))
 
 

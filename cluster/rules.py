@@ -160,8 +160,9 @@ def _shell_texts(config: dict) -> list[tuple[str, str]]:
 
 
 def literal_secrets(config: dict) -> list[tuple[str, str]]:
-    """(where, what) for each secret written out in the file: `NAME=<literal>`, `--env NAME
-    <literal>`, or `echo <literal> > ...auth_token`. The secret itself is never repeated."""
+    """(where, what) for each kind of secret written out in the file, where it is first seen:
+    `NAME=<literal>`, `--env NAME <literal>`, or `echo <literal> > ...auth_token`. The secret
+    itself is never repeated."""
     found = []
     for where, text in _shell_texts(config):
         simples = simple_commands(text)
@@ -181,7 +182,11 @@ def literal_secrets(config: dict) -> list[tuple[str, str]]:
                 targets = [*simple.redirects, *(w for a in piped_to if a[:1] == ("tee",) for w in a[1:])]
                 if any("auth_token" in target for target in targets):
                     found.append((where, "a literal token written to auth_token"))
-    return list(dict.fromkeys(found))
+    # Ray's prepare_config copies setup_commands into head_ and worker_setup_commands: name each once.
+    first = {}
+    for where, what in found:
+        first.setdefault(what, where)
+    return [(where, what) for what, where in first.items()]
 
 
 def _on_laptop(local: str, home: Path) -> Path:
@@ -326,7 +331,8 @@ def dashboard_binding(listening: Sequence[Listener], open_to_internet: Sequence[
         return passed("bind_address", "dashboard on loopback (reach it with `ray dashboard CLUSTER.yaml`)")
     if dashboard.label() in open_to_internet:
         return failed("bind_address", f"dashboard bound to {dashboard.host} with port {dashboard.low} open to the "
-                      "internet: anyone can submit jobs; bind 127.0.0.1 and use `ray dashboard`")
+                      "internet: the job API (remote code execution) is guarded only by a token sent in clear "
+                      "over HTTP; bind 127.0.0.1 and use `ray dashboard`")
     return warned("bind_address", f"dashboard bound to {dashboard.host}: bind 127.0.0.1 and use `ray dashboard`")
 
 

@@ -30,6 +30,8 @@ TOKEN = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
     ("echo 'export RAY_AUTH_MODE=token; ray start'", []),  # quoted: one word, nothing runs
     ("X=$(echo a | tr a b; true); export RAY_AUTH_MODE=token; ray start", ["token"]),
     ("export RAY_AUTH_MODE=token; ray start --head; ray start", ["token", "token"]),
+    ("export RAY_AUTH_MODE=token; bash -c 'ray start --head'", ["token"]),  # a child shell inherits
+    ("bash -c 'export RAY_AUTH_MODE=token'; ray start", [None]),
 ])
 def test_auth_mode_is_read_per_command_as_the_shell_sets_it(command, modes):
     assert auth_mode_at_ray_start(command) == modes
