@@ -178,3 +178,32 @@ def test_logging_a_model_leaves_no_tracking_uri_behind(tmp_path, monkeypatch):
     with fluent_mlflow(f"sqlite:///{tmp_path}/b.db"):
         pass
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://tracking.example:5000"
+
+
+def test_a_models_shapes_are_checked_by_one_forward_pass_on_the_meta_device():
+    from training.config import JobConfig
+    from training.run.preflight import check_model_builds
+
+    blobs = {"input_dim": 6, "num_classes": 3}
+    for name in ["plugins.examples:linear", "plugins.examples:explodes", "plugins.examples:itemizing"]:
+        # fits; fails only in training mode (the first step's to find); cannot run on meta (not checked)
+        check_model_builds(JobConfig(model={"name": name}), "classification", blobs)
+    check_model_builds(JobConfig(model={"name": "gpt"}), "language_model", TINYLM)
+    with pytest.raises(UserError, match=r"returns logits of shape \[2, 4\]; the data needs \[2, 3\]"):
+        check_model_builds(JobConfig(model={"name": "plugins.examples:wide_output"}), "classification", blobs)
+    with pytest.raises(UserError, match="does the model take the data's input_dim 6"):
+        check_model_builds(JobConfig(model={"name": "plugins.examples:fixed_input"}), "classification", blobs)
+    with pytest.raises(UserError, match="model.name digits_cnn: digits_cnn needs square images"):
+        check_model_builds(JobConfig(model={"name": "digits_cnn"}), "classification", blobs)
+
+
+def test_a_plugin_that_fails_is_a_user_error_naming_its_field():
+    from training.plugins import load_callable
+
+    with pytest.raises(UserError, match=r"^model.name: importing module 'plugins.raises_at_import' failed: "
+                                        r"RuntimeError: cannot reach the license server;"):
+        load_callable("plugins.raises_at_import:build", "model.name")
+    with pytest.raises(UserError, match=r"importing module 'plugins.exits_at_import' failed: SystemExit: 0"):
+        load_callable("plugins.exits_at_import:build", "model.name")
+    with pytest.raises(UserError, match=r"model.name plugins.examples:model_fails failed: ValueError: hidden sizes"):
+        build_model("plugins.examples:model_fails", {}, DIGITS)
