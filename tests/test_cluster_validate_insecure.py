@@ -112,6 +112,10 @@ def _ebs_unencrypted(c):
     _node(c, "gpu_spot")["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] = False
 
 
+def _ebs_encryption_unsaid(c):
+    del _node(c, "gpu_ondemand")["BlockDeviceMappings"][0]["Ebs"]["Encrypted"]
+
+
 def _ebs_absent(c):
     del _node(c, "head_cpu")["BlockDeviceMappings"]
 
@@ -140,6 +144,7 @@ INSECURE = {
     "public_ipv6_block_open": (_public_ipv6_block_open, "open_ports"),
     "mlflow_other_port_open": (_mlflow_on_another_port_open, "open_ports"),
     "ebs_unencrypted": (_ebs_unencrypted, "ebs_encryption"),
+    "ebs_encryption_unsaid": (_ebs_encryption_unsaid, "ebs_encryption"),
     "ebs_mappings_absent": (_ebs_absent, "ebs_encryption"),
     "dashboard_all_interfaces_and_open": (_dashboard_on_all_interfaces_and_open, "bind_address"),
     "max_workers_absurd": (_max_workers_absurd, "worker_counts"),
