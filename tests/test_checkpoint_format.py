@@ -245,3 +245,53 @@ def test_the_final_model_is_logged_in_the_configured_format(tmp_path, monkeypatc
         mlflow.set_tracking_uri(None)
     x = torch.rand(7, 64)
     assert torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def _saved(run_dir: Path, step: int, complete: bool = True) -> Path:
+    directory = run_dir / ckpt.checkpoint_dir_name(step)
+    directory.mkdir(parents=True)
+    ckpt.save(directory, model_state={"w": torch.ones(8) * step}, optimizer_state={}, scheduler_state={},
+              loop=ckpt.LoopState(step=step), config={"seed": 0}, steps_per_epoch=10, world_size=1, metrics={})
+    if not complete:  # an upload cut short: meta.json not there yet
+        (directory / ckpt.META_FILE).unlink()
+    return directory
+
+
+def test_keep_removes_what_ray_train_never_registered_once_a_newer_checkpoint_is(tmp_path):
+    """A run resumed from checkpoint 60, which a save wrote but Ray Train never registered (the
+    driver died first), went on to register 80 and 100 with checkpoint.keep 2: 60 and a directory
+    cut short at 70 are removed after the fit; 80 and 100 (kept), and 120 (newer than anything
+    registered: perhaps being written) stay."""
+    from types import SimpleNamespace
+
+    from training.run.finalize import remove_unregistered_checkpoints
+
+    run_dir = tmp_path / "runs" / "r"
+    paths = {step: _saved(run_dir, step, complete=step not in (70, 120)) for step in (60, 70, 80, 100, 120)}
+    (run_dir / "run.json").write_text("{}")
+    (run_dir / "checkpoint_manager_snapshot.json").write_text("{}")
+
+    def checkpoint(step):
+        return SimpleNamespace(path=str(paths[step]))
+
+    result = SimpleNamespace(checkpoint=checkpoint(100), best_checkpoints=[(checkpoint(80), {}), (checkpoint(100), {})])
+    lines = []
+    removed = remove_unregistered_checkpoints(result, str(run_dir), lines.append)
+    assert removed == ["checkpoint-00000060", "checkpoint-00000070"] and "checkpoint-00000060" in lines[0]
+    left = sorted(p.name for p in run_dir.iterdir())
+    assert left == ["checkpoint-00000080", "checkpoint-00000100", "checkpoint-00000120",
+                    "checkpoint_manager_snapshot.json", "run.json"]
+    assert ckpt.newest_complete(FS, str(run_dir))[0] == 100
+    assert remove_unregistered_checkpoints(result, str(run_dir), lines.append) == []  # nothing more
+    # A run that reported no checkpoint (resumed at its last step with nothing to train) removes nothing.
+    assert remove_unregistered_checkpoints(SimpleNamespace(checkpoint=None, best_checkpoints=[]), str(run_dir),
+                                           lines.append) == []
+
+
+def test_keep_never_removes_the_newest_complete_checkpoint():
+    names = [ckpt.checkpoint_dir_name(s) for s in (20, 40, 60)]
+    # the registered latest (80) is gone from storage: 60, though unregistered, is what a resume would use
+    assert ckpt.unregistered_to_remove(names, kept={"checkpoint-00000080"}, latest_registered_step=80,
+                                       newest_complete_step=60) == ["checkpoint-00000020", "checkpoint-00000040"]
+    assert ckpt.unregistered_to_remove(names + ["notes", "checkpoint-00000099"], kept=set(),
+                                       latest_registered_step=40, newest_complete_step=99) == ["checkpoint-00000020"]

@@ -31,7 +31,9 @@ at step s draws exactly what it would have drawn.
 
 A run resumes from the newest *complete* checkpoint in its directory, which may be newer than the
 one Ray Train has registered (registration lags the upload, and a worker killed in between would
-otherwise redo a whole interval); a directory whose upload was cut short is never chosen.
+otherwise redo a whole interval); a directory whose upload was cut short is never chosen. Ray Train
+never registers such a directory, so its keep-N cleanup never removes it: the driver does, once a
+newer checkpoint is registered (unregistered_to_remove).
 """
 
 from __future__ import annotations
@@ -261,6 +263,23 @@ def newest_complete(fs: pafs.FileSystem, run_dir: str, newer_than: int = -1) -> 
         if step > newer_than and is_complete(fs, path):
             return step, path
     return None
+
+
+def unregistered_to_remove(names: list[str], kept: set[str], latest_registered_step: int,
+                           newest_complete_step: Optional[int]) -> list[str]:
+    """Which checkpoint directories (by name) in a run's directory `checkpoint.keep` has outlived:
+    those Ray Train does not keep (`kept`, the names of its kept checkpoints) that are older than
+    its latest registered one. Such a directory Ray Train never registered (a resume point written
+    by a save it did not register before the driver died, an upload cut short), so its own keep-N
+    cleanup never removes it. Newer ones may be being written, or be the next resume point: they
+    stay, and so does the newest complete checkpoint, whatever its step."""
+    stale = []
+    for name in names:
+        step = step_of(name)
+        if step is None or name in kept or step >= latest_registered_step or step == newest_complete_step:
+            continue
+        stale.append(name)
+    return sorted(stale)
 
 
 # --- PBT: a donor's checkpoint on another trial's hyperparameters ----------------------------------

@@ -1,4 +1,5 @@
-"""After a run: the final model logged to MLflow (and registered), a learning-curve plot, a summary."""
+"""On the driver, after a run: checkpoints that `checkpoint.keep` outlived removed, the final model
+logged to MLflow (and registered), a learning-curve plot, a summary."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from training.checkpoint import format as ckpt
@@ -101,12 +103,42 @@ def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
     return True
 
 
+def remove_unregistered_checkpoints(result, run_dir: str, log) -> list[str]:
+    """Apply `checkpoint.keep` to what Ray Train's own cleanup cannot see: checkpoints in the run's
+    directory that it never registered and that are older than its latest (see
+    format.unregistered_to_remove). Run after the fit, when no upload is in flight; returns their
+    names. A storage error only warns: the run is done and its checkpoints are intact."""
+    if result.checkpoint is None:
+        return []
+    latest = ckpt.step_of(result.checkpoint.path)
+    if latest is None:
+        return []
+    kept = {c.path.rstrip("/").rsplit("/", 1)[-1] for c, _ in (result.best_checkpoints or [])}
+    kept.add(result.checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
+    fs, base = storage.filesystem(run_dir)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        names = [e.base_name for e in entries if e.type == pafs.FileType.Directory]
+        newest = ckpt.newest_complete(fs, base)
+        stale = ckpt.unregistered_to_remove(names, kept, latest, newest[0] if newest else None)
+        for name in stale:
+            fs.delete_dir(f"{base}/{name}")
+    except OSError as exc:
+        log(f"warning: could not remove checkpoints that checkpoint.keep has outlived in {redact(run_dir)}: {exc}")
+        return []
+    if stale:
+        log(f"removed {len(stale)} checkpoint(s) that Ray Train never registered and checkpoint.keep has "
+            f"outlived: {', '.join(stale)}")
+    return stale
+
+
 def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
     checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
     model in its last checkpoint and the summary in its storage, and a warning says so."""
     from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 
+    remove_unregistered_checkpoints(result, summary.run_dir, log)
     cluster_config = cluster_config_path(job.tracking.cluster_config)
     if cluster_config:
         try:
