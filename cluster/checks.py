@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -50,6 +51,32 @@ def skipped(name: str, message: str) -> CheckResult:
 
 def any_failed(results: Iterable[CheckResult]) -> bool:
     return any(result.status is Status.FAIL for result in results)
+
+
+def file_mode(path: Path) -> int | None:
+    """Permission bits of a file on this machine, None when there is no such file."""
+    try:
+        return path.stat().st_mode & 0o777 if path.is_file() else None
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Laptop:
+    """Facts about the machine validate runs on, the one that runs `ray up` and submits jobs:
+    where `~` is, the repository the config lives in, and how to read a file's permission bits
+    (None: no such file; tests pass a fake)."""
+    home: Path
+    repo_root: Path | None = None
+    file_mode: Callable[[Path], int | None] = file_mode
+
+    def path(self, local: str) -> Path:
+        """A file_mounts source path here (`~` is home; relative: the directory `ray up` runs in)."""
+        local = str(local)
+        return (self.home / local[2:] if local.startswith("~/") else Path(local)).resolve()
+
+    def in_repository(self, path: Path) -> bool:
+        return self.repo_root is not None and path.is_relative_to(self.repo_root.resolve())
 
 
 # --- reading a prepared config ------------------------------------------------------------

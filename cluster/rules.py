@@ -5,12 +5,11 @@ addresses and ports. Live AWS checks are in cluster/aws_checks.py."""
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from cluster.checks import (COMMAND_KEYS, LOOPBACK_HOSTS, CheckResult, Listener, auth_mode_at_ray_start,
+from cluster.checks import (COMMAND_KEYS, LOOPBACK_HOSTS, CheckResult, Laptop, Listener, auth_mode_at_ray_start,
                             commands, declared_gpus, default_listeners, env_at, failed, flag_value,
                             head_type, is_mlflow_server, is_spot, is_too_wide, listeners,
                             option, passed, program, provider_type, public_span, reaches_internet,
@@ -27,10 +26,9 @@ MLFLOW_CREDENTIALS_REMOTE = "~/.mlflow/credentials"  # MLflow clients read usern
 
 
 def static_checks(prepared: dict[str, Any], gpus_by_instance: dict[str, int],
-                  repo_root: Path | None = None, home: Path | None = None) -> list[CheckResult]:
-    """Every static rule, in report order. home is where `~` points on this machine (the laptop
-    that runs `ray up` and submits jobs)."""
-    home = home or Path.home()
+                  laptop: Laptop | None = None) -> list[CheckResult]:
+    """Every static rule, in report order."""
+    laptop = laptop or Laptop(Path.home())
     return [
         gpu_worker_type(prepared, gpus_by_instance),
         head_without_gpu(prepared, gpus_by_instance),
@@ -38,12 +36,12 @@ def static_checks(prepared: dict[str, Any], gpus_by_instance: dict[str, int],
         autoscaling_settings(prepared),
         spot_with_fallback(prepared, gpus_by_instance),
         availability_zones(prepared),
-        auth_token(prepared, repo_root, home),
-        local_token(prepared, home),
+        auth_token(prepared, laptop),
+        local_token(prepared, laptop),
         *network_exposure(prepared),
         *node_hardening(prepared),
         storage_and_tracking(prepared),
-        mlflow_auth(prepared, repo_root, home),
+        mlflow_auth(prepared, laptop),
         pinned_image(prepared),
     ]
 
@@ -189,13 +187,6 @@ def literal_secrets(config: dict) -> list[tuple[str, str]]:
     return [(where, what) for what, where in first.items()]
 
 
-def _on_laptop(local: str, home: Path) -> Path:
-    """A file_mounts source path on this machine (`~` is home; relative: the directory `ray up` runs in)."""
-    local = str(local)
-    path = home / local[2:] if local.startswith("~/") else Path(local)
-    return path.resolve()
-
-
 def _mounted_from(config: dict, remote: str) -> str | None:
     """The local source of the file_mounts entry for this remote path (`~/x` and `$HOME/x` alike)."""
     def normal(path: str) -> str:
@@ -204,11 +195,7 @@ def _mounted_from(config: dict, remote: str) -> str | None:
     return mounts.get(normal(remote))
 
 
-def _inside(path: Path, repo_root: Path | None) -> bool:
-    return repo_root is not None and path.is_relative_to(repo_root.resolve())
-
-
-def auth_token(config: dict, repo_root: Path | None, home: Path) -> CheckResult:
+def auth_token(config: dict, laptop: Laptop) -> CheckResult:
     problems = []
     for role in ("head", "worker"):
         key = f"{role}_start_ray_commands"
@@ -238,21 +225,21 @@ def auth_token(config: dict, repo_root: Path | None, home: Path) -> CheckResult:
     local = _mounted_from(config, TOKEN_REMOTE)
     if local is None:
         return failed("auth_token", f"the token is not shipped: add file_mounts `{TOKEN_REMOTE}: {TOKEN_REMOTE}`")
-    if _inside(_on_laptop(local, home), repo_root):
-        return failed("auth_token", f"the token file {_on_laptop(local, home)} is inside the repository: "
+    if laptop.in_repository(laptop.path(local)):
+        return failed("auth_token", f"the token file {laptop.path(local)} is inside the repository: "
                       f"keep it in {TOKEN_REMOTE}")
     return passed("auth_token", f"RAY_AUTH_MODE=token in every command that runs `ray start`; token shipped from {local}")
 
 
-def local_token(config: dict, home: Path) -> CheckResult:
+def local_token(config: dict, laptop: Laptop) -> CheckResult:
     """The laptop needs the token too: `ray up` copies it, `ray job submit` and the dashboard send it."""
-    local = _mounted_from(config, TOKEN_REMOTE) or TOKEN_REMOTE
-    path = _on_laptop(local, home)
-    if not path.is_file():
+    path = laptop.path(_mounted_from(config, TOKEN_REMOTE) or TOKEN_REMOTE)
+    mode = laptop.file_mode(path)
+    if mode is None:
         return warned("local_token", f"{path} does not exist on this machine: run `ray get-auth-token --generate` "
                       "before `ray up` (it copies the file to every node; `ray job submit` and the dashboard "
                       "need it here)")
-    if os.name == "posix" and path.stat().st_mode & 0o077:
+    if mode & 0o077:
         return warned("local_token", f"{path} is readable by other users: chmod 600 {path}")
     return passed("local_token", f"{path} exists, readable by you only")
 
@@ -410,7 +397,7 @@ def storage_and_tracking(config: dict) -> CheckResult:
     return passed("storage_tracking", f"runs in {storage}; MLflow on the head, artifacts in {artifacts or 'its store'}")
 
 
-def mlflow_auth(config: dict, repo_root: Path | None, home: Path) -> CheckResult:
+def mlflow_auth(config: dict, laptop: Laptop) -> CheckResult:
     """MLflow's basic-auth app, its config and the clients' credentials shipped from outside the
     repository (MLflow has no other login: without it anyone who reaches the port edits runs)."""
     literals = [f"{what} in {where}" for where, what in literal_secrets(config)
@@ -434,12 +421,12 @@ def mlflow_auth(config: dict, repo_root: Path | None, home: Path) -> CheckResult
         if local is None:
             problems.append(f"{what} ({remote or 'unset'}) is not shipped by file_mounts")
         else:
-            mounts[remote] = _on_laptop(local, home)
-    inside = [str(path) for path in mounts.values() if _inside(path, repo_root)]
+            mounts[remote] = laptop.path(local)
+    inside = [str(path) for path in mounts.values() if laptop.in_repository(path)]
     if inside:
         return failed("mlflow_auth", f"MLflow credentials mounted from inside the repository: {', '.join(inside)}")
     problems += [f"{path} does not exist on this machine" for path in dict.fromkeys(mounts.values())
-                 if not path.is_file()]
+                 if laptop.file_mode(path) is None]
     if problems:
         return warned("mlflow_auth", "; ".join(problems) + " (the header of cluster.yaml says what the file holds)")
     return passed("mlflow_auth", f"MLflow basic-auth; credentials from {', '.join(map(str, dict.fromkeys(mounts.values())))}")

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from cluster.aws_checks import live_checks
 from cluster.aws_facts import QuotaLookup, gather_facts, has_aws_credentials
-from cluster.checks import CheckResult, failed, passed, provider_type, skipped
+from cluster.checks import CheckResult, Laptop, failed, passed, provider_type, skipped
 from cluster.config import load_and_prepare
 from cluster.prices import load_price_table
 from cluster.rules import static_checks
@@ -21,8 +21,8 @@ def validate_cluster(path: str | os.PathLike, *, env: Mapping[str, str] = os.env
     """All checks for one cluster file. Raises ConfigError when the file is unusable."""
     _, prepared = load_and_prepare(path)
     results = [passed("ray_schema", "Ray's launcher schema accepts the config")]
-    home = Path(env["HOME"]) if env.get("HOME") else None  # where the laptop's ~/.ray/auth_token is
-    results += static_checks(prepared, load_price_table().gpus_by_instance(), _repo_root(Path(path)), home)
+    laptop = Laptop(Path(env["HOME"]) if env.get("HOME") else Path.home(), _repo_root(Path(path)))
+    results += static_checks(prepared, load_price_table().gpus_by_instance(), laptop)
     results += live_results(prepared, env=env, live=live, session=session, quota_lookup=quota_lookup)
     return results
 

@@ -5,12 +5,14 @@ would really run: every command in a new shell, every ingress range as addresses
 import copy
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.checks import Status
-from cluster.config import load_cluster_yaml
+from cluster.checks import Laptop, Status
+from cluster.config import load_and_prepare, load_cluster_yaml
+from cluster.rules import auth_token, local_token, mlflow_auth
 from cluster.validate import validate_cluster
 from conftest import REPO
 
@@ -200,3 +202,14 @@ def test_a_missing_laptop_token_says_what_to_run(tmp_path):
     results = {r.name: r for r in validate_cluster(CLUSTER_YAML, env=env, live=False)}
     assert results["local_token"].status is Status.WARN
     assert "ray get-auth-token --generate" in results["local_token"].message
+
+
+def test_laptop_files_are_facts_a_test_can_fake():
+    _, prepared = load_and_prepare(CLUSTER_YAML)
+    shared = Laptop(Path("/home/me"), file_mode=lambda path: 0o644)
+    assert local_token(prepared, shared).status is Status.WARN and "chmod 600" in local_token(prepared, shared).message
+    private = Laptop(Path("/home/me"), file_mode=lambda path: 0o600)
+    assert local_token(prepared, private).status is Status.PASS
+    assert mlflow_auth(prepared, private).status is Status.PASS
+    inside = Laptop(Path("/home/me"), repo_root=Path("/home/me"), file_mode=lambda path: 0o600)
+    assert auth_token(prepared, inside).status is Status.FAIL and mlflow_auth(prepared, inside).status is Status.FAIL
