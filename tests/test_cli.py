@@ -44,6 +44,8 @@ BAD_INPUT = [
     (["--set", "checkpoint.storage_path=''"], "checkpoint.storage_path: must not be empty"),
     (["--set", "checkpoint.storage_path=foo://bar/runs"], "Unrecognized filesystem type in URI: foo://bar/runs"),
     (["--set", "tracking.experiment=''"], "tracking.experiment: String should have at least 1 character"),
+    (["--set", 'checkpoint.storage_path="runs\\x00x"'], "checkpoint.storage_path: 'runs\\x00x' contains a control character"),
+    (["--set", "data.cache_dir=file://"], "data.cache_dir: 'file://' names no path"),
     # Plug-ins that fail on import or when called: the field, the error's first line, no traceback.
     (["--set", "data.source=plugins.raises_at_import:blobs"],
      "data.source: importing module 'plugins.raises_at_import' failed: RuntimeError: cannot reach the license server;"),

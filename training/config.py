@@ -33,9 +33,19 @@ def _storage_location(value: Optional[str]) -> Optional[str]:
         return value
     if not value.strip():
         raise ValueError("must not be empty: a local path, or a URI such as s3://bucket/prefix")
+    _printable(value)
     scheme, sep, rest = value.partition("://")
     if sep and scheme != "file" and not rest.split("/", 1)[0]:
         raise ValueError(f"{value!r} names no bucket or host: write {scheme}://BUCKET/prefix")
+    if sep and scheme == "file" and not rest:
+        raise ValueError(f"{value!r} names no path: write file:///absolute/path, or the path alone")
+    return value
+
+
+def _printable(value: Optional[str]) -> Optional[str]:
+    """A path or URI with a control character (NUL, a newline) is a typo no filesystem or server takes."""
+    if value is not None and any(ord(char) < 32 or ord(char) == 127 for char in value):
+        raise ValueError(f"{value!r} contains a control character; is it quoted or pasted wrongly?")
     return value
 
 
@@ -193,6 +203,11 @@ class TrackingConfig(Section):
     # How the final model is logged to MLflow: "pt2" (torch.export: loading runs no code of the
     # model's) or "pickle" (any model, but loading it unpickles, which can run arbitrary code).
     model_format: Literal["pt2", "pickle"] = "pt2"
+
+    @field_validator("tracking_uri", "cluster_config")
+    @classmethod
+    def _location(cls, value):
+        return _printable(value)
 
     @field_validator("registered_model_name")
     @classmethod
