@@ -20,9 +20,10 @@ ONPREM_YAML = REPO / "cluster" / "onprem.yaml"
 
 
 def offline_env(tmp_path):
-    """No AWS credentials anywhere (env or ~/.aws): live checks must be skipped."""
+    """No AWS credentials anywhere (env, ~/.aws, an instance profile): live checks must be skipped."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
     env["HOME"] = str(tmp_path)
+    env["AWS_EC2_METADATA_DISABLED"] = "true"  # (on a machine with an instance profile)
     return env
 
 

@@ -206,10 +206,10 @@ GOOD = tagged_volumes({"InstanceType": "g5.xlarge", "ImageId": "ami-0a2b85e15b7c
 @pytest.mark.parametrize("node_type", sorted(worker_node_configs()))
 def test_the_launches_cluster_yaml_makes_are_allowed(node_type):
     node_config = worker_node_configs()[node_type]
-    assert launch(tagged_volumes(node_config) if not _tag_spec(node_config, "volume") else node_config) == "allowed"
-    if not _tag_spec(node_config, "volume"):
-        pytest.xfail(f"cluster.yaml's {node_type} does not tag its volumes at launch: its node_config needs "
-                     "TagSpecifications [{ResourceType: volume, Tags: [{Key: ray-cluster-name, Value: raytrain}]}]")
+    assert _tag_spec(node_config, "volume"), (f"cluster.yaml's {node_type} must tag its volumes at launch: its node_config "
+                                              "needs TagSpecifications [{ResourceType: volume, Tags: [{Key: "
+                                              "ray-cluster-name, Value: raytrain}]}]")
+    assert launch(node_config) == "allowed"
 
 
 def test_the_policy_launches_exactly_cluster_yaml_worker_types():
