@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cluster.aws_facts import AwsFacts, quota_bucket
-from cluster.checks import CheckResult, failed, instance_type, passed, warned, zones
+from cluster.checks import CheckResult, failed, instance_type, listeners, passed, warned, zones
 from cluster.rules import exposure, mlflow_port
 
 QUOTA_NAMES = {"L-DB2E81BA": "G on-demand", "L-3819A6DF": "G spot",
@@ -94,7 +94,7 @@ def security_group_check(config: dict, facts: AwsFacts) -> CheckResult:
     if facts.security_group is None:
         return warned(check, "does not exist yet: Ray will create it and add SSH from 0.0.0.0/0; pre-create "
                       "it with only your SSH rule (cluster/README.md)")
-    open_ray, ssh_world, _ = exposure(list(facts.security_group), mlflow_port(config))
+    open_ray, ssh_world, _ = exposure(list(facts.security_group), mlflow_port(config), listeners(config))
     if open_ray or ssh_world:
         return failed(check, f"open to the internet: {', '.join(open_ray + ['22 (SSH)'] * bool(ssh_world))}")
     if not any(rule.get("UserIdGroupPairs") for rule in facts.security_group):
