@@ -113,6 +113,12 @@ def test_the_parallel_strategy_is_part_of_a_runs_identity():
     # A record written before the strategy joined the identity does not hold it: not compared.
     older = {k: v for k, v in config_lib.identity_of(job).items() if k != "parallel.strategy"}
     RunRecord("r", older, None, None).check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
+    RunRecord("s", {"base": older, "num_samples": 4}, None, None).check_resumable(  # a sweep's base job
+        {"base": config_lib.identity_of(fsdp), "num_samples": 4}, "sweep", "the original sweep file")
+    # Any other field the record lacks is a difference: the record is not one to continue.
+    with pytest.raises(ConfigError, match="different model"):
+        RunRecord("r", {k: v for k, v in older.items() if k != "model"}, None, None).check_resumable(
+            config_lib.identity_of(job), "run", "the original values")
 
 
 @pytest.mark.parametrize("name, message", [

@@ -261,6 +261,9 @@ class JobConfig(Section):
 # keeps its parallel strategy: its checkpoints are written in that strategy's layout.
 IDENTITY_FIELDS = ("seed", "model", "data.source", "data.options", "optim", "train.global_batch_size",
                    "parallel.strategy")
+# Fields that joined the identity after runs had been recorded: a record without one predates it,
+# and is not compared on it.
+LATER_IDENTITY_FIELDS = ("parallel.strategy",)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

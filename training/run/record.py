@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from training import storage
+from training.config import LATER_IDENTITY_FIELDS
 from training.errors import ConfigError, UserError
 from training.redaction import redact
 
@@ -50,10 +51,12 @@ class RunRecord:
 
     def check_resumable(self, identity: dict, kind: str, remedy: str) -> None:
         """Refuse to continue a run whose identity changed: it would mix two different runs.
-        `identity` is what defines the run now, in the form it was recorded (JSON values). A field the
-        record does not hold joined the identity after the record was written, and is not compared."""
-        identity = json.loads(json.dumps(identity))
-        changed = [key for key, value in identity.items() if key in self.identity and self.identity[key] != value]
+        `identity` is what defines the run now, in the form it was recorded (JSON values). A field that
+        joined the identity after the record was written is not compared (a run's, or a sweep's base job's)."""
+        identity = _as_recorded(json.loads(json.dumps(identity)), self.identity)
+        if isinstance(identity.get("base"), dict) and isinstance(self.identity.get("base"), dict):
+            identity["base"] = _as_recorded(identity["base"], self.identity["base"])
+        changed = [key for key, value in identity.items() if self.identity.get(key) != value]
         if changed:
             raise ConfigError(f"{kind} {self.name!r} already exists with a different {', '.join(changed)}; "
                               f"resuming it would mix two different {kind}s. Use a new --name, or {remedy} to resume it.")
@@ -64,3 +67,8 @@ class RunRecord:
         if self.tracking_uri is not None and redact(self.tracking_uri) != shown:
             raise ConfigError(f"run {self.name!r} is tracked at {redact(self.tracking_uri)}, not {shown}; "
                               "set tracking.tracking_uri to the original to resume it")
+
+
+def _as_recorded(identity: dict, recorded: dict) -> dict:
+    """`identity` without the fields that joined the identity after `recorded` was written."""
+    return {key: value for key, value in identity.items() if key in recorded or key not in LATER_IDENTITY_FIELDS}
