@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cluster.aws_facts import AwsFacts, quota_bucket
-from cluster.checks import CheckResult, failed, instance_type, listeners, passed, warned, zones
-from cluster.rules import exposure, mlflow_port
+from cluster.checks import CheckResult, failed, instance_type, passed, warned, zones
+from cluster.network import exposure, listeners, mlflow_port
 
 QUOTA_NAMES = {"L-DB2E81BA": "G on-demand", "L-3819A6DF": "G spot",
                "L-417A185B": "P on-demand", "L-7212CCBC": "P spot"}

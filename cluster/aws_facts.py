@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from cluster.checks import commands, flag_value, instance_type, is_spot, zones
+from cluster.checks import instance_type, is_spot, zones
+from cluster.shell import commands, flag_value
 
 QuotaLookup = Callable[[str], "float | None"]
 

@@ -1,19 +1,19 @@
 """Runs on the laptop (validate): this project's static rules for a cluster config, after Ray's
 schema check: pure functions from the prepared config to CheckResults. They read the commands
-the way Ray's launcher runs them (each entry in its own shell) and the security group as sets of
-addresses and ports. Live AWS checks are in cluster/aws_checks.py."""
+the way Ray's launcher runs them (each entry in its own shell: cluster/shell.py) and the security
+group as sets of addresses and ports (cluster/network.py). Live AWS checks are in
+cluster/aws_checks.py."""
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-from cluster.checks import (COMMAND_KEYS, LOOPBACK_HOSTS, CheckResult, Laptop, Listener, auth_mode_at_ray_start,
-                            commands, declared_gpus, default_listeners, env_at, failed, flag_value,
-                            head_type, is_mlflow_server, is_spot, is_too_wide, listeners,
-                            option, passed, program, provider_type, public_span, reaches_internet,
-                            simple_commands, warned, worker_types, zones)
+from cluster.checks import (CheckResult, Laptop, declared_gpus, failed, head_type, is_spot, passed, provider_type,
+                            warned, worker_types, zones)
+from cluster.network import LOOPBACK_HOSTS, Listener, exposure, listeners, mlflow_port
+from cluster.shell import (COMMAND_KEYS, auth_mode_at_ray_start, commands, container_env, env_at, flag_value,
+                           is_mlflow_server, option, program, simple_commands)
 
 PLACEHOLDER_CIDRS = {"203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"}
 # More nodes than this in one cluster is a typo (1e9) or a blank cheque, not a plan.
@@ -122,27 +122,6 @@ def availability_zones(config: dict) -> CheckResult:
 # --- token authentication and secrets -----------------------------------------------------
 
 
-def container_env(config: dict, role: str) -> dict[str, str]:
-    """Variables every command of a node of this role starts with: `--env`/`-e` in the docker
-    run options (commands run inside the container when there is one)."""
-    docker = config.get("docker") or {}
-    if not (docker.get("image") or docker.get(f"{role}_image")):
-        return {}
-    options = " ".join(str(o) for o in [*(docker.get("run_options") or []), *(docker.get(f"{role}_run_options") or [])])
-    try:
-        words = shlex.split(options)
-    except ValueError:  # an unclosed quote: docker would refuse it too
-        words = options.split()
-    env = {}
-    for i, word in enumerate(words):
-        value = (words[i + 1] if word in ("-e", "--env") and i + 1 < len(words)
-                 else word[len("--env="):] if word.startswith("--env=") else "")
-        if "=" in value:
-            key, value = value.split("=", 1)
-            env[key] = value
-    return env
-
-
 def _literal(value: str) -> bool:
     """A value written out in the file, not a reference ($VAR, $(cat file)) or a file path."""
     return bool(value) and "$" not in value and "/" not in value and not value.startswith("-")
@@ -247,48 +226,6 @@ def local_token(config: dict, laptop: Laptop) -> CheckResult:
 # --- what the internet can reach -----------------------------------------------------------
 
 
-def _ports(rule: dict) -> tuple[int, int] | None:
-    """The TCP port range an ingress rule opens (Ray and MLflow speak TCP only); None for UDP/ICMP."""
-    protocol = str(rule.get("IpProtocol", "-1")).lower()
-    if protocol in ("-1", "all"):
-        return 0, 65535
-    if protocol not in ("tcp", "6"):
-        return None
-    low = rule.get("FromPort", -1)
-    if low in (-1, None):
-        return 0, 65535
-    high = rule.get("ToPort", low)
-    return int(low), 65535 if high in (-1, None) else int(high)
-
-
-def _sources(rule: dict) -> list[str]:
-    return ([str(r.get("CidrIp", "")) for r in rule.get("IpRanges", []) or []]
-            + [str(r.get("CidrIpv6", "")) for r in rule.get("Ipv6Ranges", []) or []])
-
-
-def exposure(rules: list[dict], mlflow_port: int = 5000, listening: Sequence[Listener] | None = None,
-             trusted: Iterable[str] = ()) -> tuple[list[str], list[str], list[str]]:
-    """(Ray/MLflow ports the internet reaches, SSH ranges too wide to be one network, SSH sources):
-    the policy shared by the static rule (config) and the live one (an existing security group).
-    listening: what the nodes listen on (default: plain `ray start` and MLflow on mlflow_port);
-    trusted: ranges that are not the internet besides private space (the cluster's VPC)."""
-    listening = sorted(default_listeners(mlflow_port) if listening is None else listening,
-                       key=lambda item: (item.low, item.high))
-    trusted = list(trusted)
-    open_ports, ssh_sources = [], []
-    for rule in rules:
-        ports = _ports(rule)
-        if ports is None:
-            continue
-        low, high = ports
-        if any(reaches_internet(source, trusted) for source in _sources(rule)):
-            open_ports += [item.label() for item in listening if item.low <= high and low <= item.high]
-        if low <= 22 <= high:
-            ssh_sources += sorted(_sources(rule))
-    ssh_world = [span for span in public_span(ssh_sources) if is_too_wide(span)]
-    return list(dict.fromkeys(open_ports)), ssh_world, ssh_sources
-
-
 def network_exposure(config: dict) -> list[CheckResult]:
     listening = listeners(config)
     if provider_type(config) != "aws":
@@ -371,11 +308,6 @@ def mlflow_servers(config: dict) -> list[tuple[tuple[str, ...], dict[str, str]]]
     initial = container_env(config, "head")
     return [found for command in config.get("head_start_ray_commands") or []
             for found in env_at(str(command), is_mlflow_server, initial)]
-
-
-def mlflow_port(config: dict) -> int:
-    started = [item for item in listeners(config) if item.what == "MLflow"]
-    return started[0].low if started else int((config.get("metadata") or {}).get("mlflow_port", 5000))
 
 
 def storage_and_tracking(config: dict) -> CheckResult:

@@ -9,9 +9,10 @@ import sys
 import pytest
 import yaml
 
-from cluster.checks import Status, exports_auth_token
+from cluster.checks import Status
 from cluster.config import ConfigError, load_cluster_yaml, ray_prepare_and_validate
-from cluster.rules import exposure
+from cluster.network import exposure
+from cluster.shell import exports_auth_token
 from cluster.validate import validate_cluster
 from conftest import REPO
 
