@@ -164,11 +164,11 @@ def test_plugin_source_rejects_wrong_shapes(tmp_path):
 
 
 def test_a_changed_shard_of_a_reused_dataset_is_refused(tmp_path):
-    """The SHA-256 recorded for each shard is checked when the driver takes a prepared dataset:
+    """The SHA-256 recorded for each shard is checked when a run or sweep takes a prepared dataset:
     a shard edited in place (same rows, same size), cut short or removed is named, and the run
     refused with how to clear it."""
     from training.data.loader import changed_shard
-    from training.run.driver import check_shards
+    from training.run.preflight import check_shards
 
     manifest = prepare(DataConfig(source="digits", num_shards=2), str(tmp_path), log=quiet)
     assert changed_shard(manifest) is None

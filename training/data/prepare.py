@@ -73,6 +73,10 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     """Prepare `data` under `cache_root` unless an identical dataset is already there.
 
     `check(task, spec, rows)`, if given, runs on the loaded source before anything is written."""
+    if data.source == "parquet":  # read where it is: only an index is written
+        from training.data import external
+
+        return external.prepare(data, cache_root, log, check)
     source = load_source(data.source, data.options)
     if check is not None:
         check(source.task, source.spec, {name: table.num_rows for name, table in source.splits.items()})

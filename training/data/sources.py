@@ -116,12 +116,17 @@ BUILTIN_SOURCES = {"digits": (DigitsOptions, _digits), "tinylm": (TinyLMOptions,
 def validate_builtin_source_options(source: str, options: dict) -> None:
     if is_import_string(source):
         return
-    if source not in BUILTIN_SOURCES:
+    if source == "parquet":  # read in place, not loaded here: training/data/external.py
+        from training.data.parquet import ParquetOptions
+
+        options_type = ParquetOptions
+    elif source not in BUILTIN_SOURCES:
         raise ConfigError(
-            f"data.source: unknown source {source!r}; built-in: {', '.join(BUILTIN_SOURCES)}, "
+            f"data.source: unknown source {source!r}; built-in: {', '.join(BUILTIN_SOURCES)}, parquet, "
             "or a plug-in 'package.module:function'"
         )
-    options_type, _ = BUILTIN_SOURCES[source]
+    else:
+        options_type, _ = BUILTIN_SOURCES[source]
     try:
         options_type.model_validate(options)
     except ValidationError as exc:

@@ -64,17 +64,22 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
     preflight.check_tracking(job, paths, record)
-    check_recorded_cluster()  # a leftover local cluster that cannot be joined, said before anything starts
+    if record is not None and record.dataset:  # data read in place must be what the run started on
+        from training.data.external import check_unchanged
+
+        check_unchanged(record.dataset.get("root"), job.data.options)
     largest = maximum_resources()  # None: no launcher config on this machine
     manifest = preflight.prepare_checked(job.data, paths, preflight.job_checks(job, paths), log)
-    check_shards(manifest)
+    # (after the checks above, which import no Ray: a leftover local cluster that cannot be joined)
+    check_recorded_cluster()
     timings["data_ready"] = time.time()
 
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()
     if record is None:
-        RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri).write(record_uri)
+        RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
+                  dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
 
     try:
@@ -108,17 +113,6 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     finalize(job, manifest, result, tracker, summary, log)
     tracker.finish("FINISHED")
     return summary
-
-
-def check_shards(manifest) -> None:
-    """UserError if a shard of the prepared data changed since it was prepared (its SHA-256 is in
-    the manifest): the run would train on other data than its record says, and resume inexactly."""
-    from training.data.loader import changed_shard
-
-    problem = changed_shard(manifest)
-    if problem:
-        raise UserError(f"data: the prepared dataset at {redact(manifest.root)} changed since it was prepared: "
-                        f"{problem}; remove that directory and run again to prepare it anew")
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,

@@ -16,7 +16,7 @@ from training.checkpoint import format as ckpt
 from training import storage
 from training.config import JobConfig
 from training.redaction import redact, redact_values
-from training.data.loader import SplitReader
+from training.data.readers import split_rows
 from training.run.export import export_onnx
 from training.models import build_model
 from training.plugins import is_import_string
@@ -34,7 +34,7 @@ def load_final_model(job: JobConfig, manifest, checkpoint) -> torch.nn.Module:
 
 
 def sample_input(manifest) -> torch.Tensor:
-    return model_input(manifest.task, SplitReader(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
+    return model_input(manifest.task, split_rows(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
 
 
 def registered_model_name(job: JobConfig) -> str:

@@ -26,9 +26,22 @@ def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Ca
     from training.data.prepare import prepare
 
     try:
-        return prepare(data, paths.data_cache, log=log, check=check)
+        manifest = prepare(data, paths.data_cache, log=log, check=check)
     except ValueError as exc:  # (the model's and the plug-ins' own errors are UserErrors naming their field)
         raise UserError(f"data ({data.source}): {exc}") from None
+    check_shards(manifest)
+    return manifest
+
+
+def check_shards(manifest) -> None:
+    """UserError if a shard of the prepared data changed since it was prepared (its SHA-256 is in
+    the manifest): the run would train on other data than its record says, and resume inexactly."""
+    from training.data.loader import changed_shard
+
+    problem = changed_shard(manifest)
+    if problem:
+        raise UserError(f"data: the prepared dataset at {redact(manifest.root)} changed since it was prepared: "
+                        f"{problem}; remove that directory and run again to prepare it anew")
 
 
 def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:

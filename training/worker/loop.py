@@ -18,7 +18,8 @@ from training.adaptors.ray_private import quiet_report_logs
 from training.checkpoint.report import CheckpointReporter
 from training.checkpoint.restore import resume
 from training.config import JobConfig
-from training.data.loader import BatchPlan, SplitReader, TrainShard, validation_part
+from training.data.loader import BatchPlan
+from training.data.readers import train_batches, validation_part
 from training.data.prepare import Manifest
 from training.models import build_model
 from training.tasks import forward_loss, units_per_sample
@@ -43,8 +44,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     task, spec = manifest.task, {"task": manifest.task, **manifest.spec}
 
     plan = BatchPlan(job.train.global_batch_size, world_size, rank, job.train.micro_batch_size)
-    train_data = TrainShard(SplitReader(manifest, "train"), plan, job.seed)
-    val_rows = validation_part(SplitReader(manifest, "validation"), world_size, rank)
+    train_data = train_batches(manifest, plan, job.seed)
+    val_rows = validation_part(manifest, world_size, rank)
     total_steps = total_steps_of(job, train_data.steps_per_epoch)
     # Each worker's loss is scaled so that DDP's average over workers is the exact mean over the
     # global batch, however unevenly it is divided: the same gradient at any world size.
@@ -115,7 +116,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             metrics.update(val_metrics)
         if decision.preemption_save:
             metrics["preemption_checkpoint_step"] = loop.step
-        reporter.report(metrics, loop, checkpoint=decision.checkpoint, synchronous=decision.preemption_save)
+        reporter.report(metrics, loop, checkpoint=decision.checkpoint, synchronous=decision.preemption_save,
+                        deadline_s=preemption.deadline_s if decision.preemption_save and preemption else None)
         if fresh is not None and rank == 0:  # rank 0's clock decides when the final save is due
             preemption.plan_final_save(reporter.cost["checkpoint_blocking_s"])
             print(preemption.notice_line(loop.step), flush=True)
