@@ -2,12 +2,14 @@
 as Spark writes a partitioned table, streamed by 2 workers on a local Ray cluster and tracked in
 MLflow; a resume after the data changed is refused before anything is written."""
 
+import json
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mlflow.tracking import MlflowClient
 from sklearn.datasets import load_digits
 
 from conftest import CONFIGS
@@ -52,6 +54,14 @@ def test_a_run_streams_parquet_in_place_and_refuses_changed_data_on_resume(ray_c
     cache = workdir / "runs" / "datasets"
     (index_dir,) = [p for p in cache.iterdir() if p.name.startswith("parquet-")]
     assert [p.name for p in index_dir.iterdir()] == ["manifest.json"]  # an index only: nothing copied
+    inputs = MlflowClient(f"sqlite:///{workdir}/mlflow.db").get_run(summary.mlflow_run_id).inputs.dataset_inputs
+    by_context = {i.tags[0].value: i.dataset for i in inputs}
+    assert set(by_context) == {"training", "validation"}
+    assert str(table) in by_context["training"].source and by_context["training"].source_type == "parquet"
+    rows = {context: json.loads(dataset.profile)["num_rows"] for context, dataset in by_context.items()}
+    recorded = json.loads((index_dir / "manifest.json").read_text())["splits"]
+    assert rows == {"training": recorded["train"]["rows"], "validation": recorded["validation"]["rows"]}
+    assert sum(rows.values()) == 1797  # every digit, in one split or the other
 
     victim = table / "day=2026-01-02" / "part-00002-4c1d.c000.snappy.parquet"
     os.utime(victim, ns=(10**18, 10**18))

@@ -78,6 +78,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()
     if record is None:
+        if job.tracking.enabled:
+            from training.tracking.datasets import log_datasets
+
+            log_datasets(tracker, manifest, log)
         RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
                   dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
