@@ -52,6 +52,12 @@ def s3_env(endpoint: str) -> dict:
     return {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
 
 
+def create_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+
+
 # ---------------------------------------------------------------- a fake IMDSv2 on loopback
 
 CREDENTIALS_PATH = "/latest/meta-data/iam/security-credentials/"  # lists the role; + role: its keys

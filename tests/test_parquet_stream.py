@@ -188,3 +188,30 @@ def test_row_groups_stream_through_the_loader(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(*batches))
     seen = np.concatenate(batches[0])
     assert len(np.unique(seen)) == len(seen) and seen.max() < total
+
+
+def test_the_same_layout_on_s3_is_indexed_and_streamed(tmp_path, monkeypatch, moto_endpoint):
+    import pyarrow.fs as pafs
+
+    from aws import create_bucket, s3_env
+
+    for key, value in s3_env(moto_endpoint).items():
+        monkeypatch.setenv(key, value)
+    create_bucket(moto_endpoint, "lake")
+    total = write_spark_like(tmp_path / "t")
+    s3, _ = pafs.FileSystem.from_uri("s3://lake/")
+    pafs.copy_files(str(tmp_path / "t"), "lake/tables/t", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=s3)
+
+    index = parquet.build_index(options("s3://lake/tables/t"))
+    local = parquet.build_index(options(tmp_path / "t"))
+    files = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
+    assert len(files) == 6 and all(f["uri"].startswith("s3://lake/tables/t/day=") for f in files)
+    assert sum(s["rows"] for s in index["splits"].values()) == total and index["spec"] == local["spec"]
+    glob = parquet.list_files("s3://lake/tables/t/day=2026-01-01/*.parquet")
+    assert len(glob) == 3 and {f.partition["day"] for f in glob} == {"2026-01-01"}
+    split = index["splits"]["train"]
+    reader = parquet.FileReader(split, options("s3://lake/tables/t"))
+    shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2)
+    ids = np.concatenate([shard.batch(step)["x"][:, 1] for step in range(6)])
+    assert len(np.unique(ids)) == len(ids) == 48

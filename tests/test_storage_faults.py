@@ -13,17 +13,11 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from aws import free_port, s3_env
+from aws import create_bucket, free_port, s3_env
 from conftest import CONFIGS, wait_for
 from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training.checkpoint.upload import RetryPolicy, upload, with_retries
-
-
-def create_bucket(endpoint, name):
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
 
 
 def saved_checkpoint(directory, step):

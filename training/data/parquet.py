@@ -150,7 +150,7 @@ def list_files(paths, filters: Optional[dict] = None) -> list[DataFile]:
             relative = entry.path[len(root):].lstrip("/") if root else entry.path
             if _skipped(relative) or (pattern is not None and not fnmatch.fnmatch(entry.path, pattern)):
                 continue
-            partition = hive_partition(relative)
+            partition = hive_partition(entry.path)  # (the given path's own key=value folders count too)
             if any(partition.get(k) not in vals for k, vals in wanted.items()):
                 continue
             uri = scheme + entry.path if scheme else entry.path
