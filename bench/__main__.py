@@ -15,7 +15,7 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "recovery", "sweep", "memory", "gpu")
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "recovery", "sweep", "memory", "gpu")
 
 
 def main(argv=None) -> int:
@@ -42,6 +42,10 @@ def main(argv=None) -> int:
             from bench.memory import memory
 
             timed("memory", lambda: memory(args.quick))
+        if "streaming" in wanted:  # one process, no Ray
+            from bench.streaming import streaming
+
+            timed("streaming", lambda: streaming(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray
@@ -91,10 +95,12 @@ def ratios(rows_: dict) -> dict:
                 found[f"checkpoint_{key}"] = rows_["checkpoint"][key]
     for task, value in rows_.get("data_path", {}).items():
         found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]
-        if "streaming_vs_in_memory" in value:
-            found[f"data_streaming_vs_in_memory_{task}"] = value["streaming_vs_in_memory"]
         if value["loader_vs_training_consumption"] is not None:
             found[f"data_loader_vs_training_{task}"] = value["loader_vs_training_consumption"]
+    if "streaming" in rows_:
+        found["streaming_loader_vs_raw_read"] = rows_["streaming"]["loader_vs_raw_read"]
+        found["streaming_read_fraction_per_worker"] = rows_["streaming"]["read_fraction_per_worker"]
+        found["streaming_rss_growth_vs_budget"] = rows_["streaming"]["rss_growth_vs_budget"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

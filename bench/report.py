@@ -50,11 +50,15 @@ def markdown(results: dict) -> str:
                      f"{v['raw_parquet_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw; "
                      f"{_f(v['loader_vs_training_consumption'], 0)}x training's need | Parquet -> this worker's "
                      f"tensor batches for an epoch vs `pyarrow.parquet.read_table` of the same files |")
-        if "streaming_rows_per_s_per_worker" in v:
-            lines.append(f"| streaming {task} | {v['streaming_rows_per_s_per_worker']:.0f} rows/s per worker, at most "
-                         f"{v['streaming_row_groups_held']} row groups held | **{v['streaming_vs_in_memory']:.2f}** of "
-                         f"in-memory | the `parquet` source's loader (row groups of 1/64 of the split, 4 partitions, "
-                         f"2 workers) vs the in-memory loader above |")
+    if "streaming" in r:
+        v = r["streaming"]
+        lines.append(f"| streaming loader | {v['loader_rows_per_s']:.0f} rows/s (rank 0 of 2) vs raw "
+                     f"{v['raw_iter_batches_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw "
+                     f"(spread {v['loader_spread'][0]:.2f}-{v['loader_spread'][1]:.2f}); reads "
+                     f"{v['read_fraction_per_worker']:.2f} of the row groups; RSS growth "
+                     f"{v['rss_growth_vs_budget']:.2f}x its {v['budget_mb']} MB budget | the `parquet` source's loader "
+                     f"on {v['dataset_mb']} MB of generated rows ({v['dataset_vs_budget']:.1f}x the budget), one "
+                     f"worker's part, vs `ParquetFile.iter_batches` of the same files, interleaved |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

@@ -128,7 +128,7 @@ def train_stream(manifest, plan, seed: int) -> StreamingShard:
     options = parquet.ParquetOptions.model_validate(manifest.options)
     reader = parquet.FileReader(manifest.splits["train"], options)
     return StreamingShard(reader.groups, reader.load, plan, seed=seed, partitions=options.partitions,
-                          window=options.shuffle_window, prefetch=options.prefetch_steps, to_tensors=_tensors)
+                          window=options.shuffle_window, read_ahead=options.read_ahead, to_tensors=_tensors)
 
 
 def manifest_summary(manifest) -> dict[str, Any]:

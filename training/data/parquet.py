@@ -60,8 +60,8 @@ class ParquetOptions(Section):
     # Rows are shuffled within windows of this many row groups of a partition (memory: about
     # 2 * window row groups per partition a worker reads).
     shuffle_window: int = Field(2, ge=1, le=1024)
-    # Steps whose row groups are read ahead on a background thread.
-    prefetch_steps: int = Field(2, ge=0, le=64)
+    # Read the next steps' row groups on a background thread while these steps train.
+    read_ahead: bool = True
     # When the files carry no statistics for them: classes of the label / the token vocabulary.
     num_classes: Optional[int] = Field(None, ge=2)
     vocab_size: Optional[int] = Field(None, ge=2)
@@ -236,8 +236,9 @@ def columns_to_arrays(table: pa.Table, options: ParquetOptions) -> dict[str, np.
     if len(names) == 1 and _is_list(table.schema.field(names[0]).type):
         x = _list_matrix(table.column(names[0]), np.float32, names[0])
     else:
-        x = np.stack([table.column(n).to_numpy(zero_copy_only=False).astype(np.float32) for n in names], axis=1)
-    return {"x": x, "y": table.column(options.label).to_numpy(zero_copy_only=False).astype(np.int64)}
+        x = np.stack([table.column(n).to_numpy(zero_copy_only=False).astype(np.float32, copy=False) for n in names],
+                     axis=1)
+    return {"x": x, "y": table.column(options.label).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)}
 
 
 def _is_list(kind: pa.DataType) -> bool:
@@ -253,7 +254,7 @@ def _list_matrix(column: pa.ChunkedArray, dtype, name: str) -> np.ndarray:
     if remainder or (not pa.types.is_fixed_size_list(column.type)
                      and not np.all(np.diff(column.offsets.to_numpy()) == width)):
         raise DataError(f"column {name!r}: rows of different lengths; every row must have the same length")
-    return values.reshape(len(column), width).astype(dtype)
+    return values.reshape(len(column), width).astype(dtype, copy=False)
 
 
 class FileReader:

@@ -22,7 +22,8 @@ never of the world size, so every guarantee of the in-memory path holds:
 
 A step's rows are known from the index alone, so a resume at any step reads exactly what it would
 have read, and a resize changes which worker reads a row, never which global batch it is in.
-Memory per worker: the windows of the partitions it reads, plus `prefetch` row groups ahead.
+Memory per worker: about three windows of each partition it reads (the one being read, the one a
+chunk of steps reaches into, the next one read ahead), whatever the dataset's size.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PartitionStream:
         if w not in self._perms:
             lo, hi = self._window_bounds(w)
             rng = np.random.default_rng([self.seed, self.epoch, self.partition, w, 0x5EED])
-            if len(self._perms) >= 2:  # the current window and the next (prefetch looks ahead)
+            if len(self._perms) >= 3:  # a chunk's windows and the next chunk's (read ahead)
                 self._perms.pop(min(self._perms))
             self._perms[w] = rng.permutation(hi - lo)
         return self._perms[w]
@@ -108,20 +109,22 @@ class EpochPlan:
         self.streams = [PartitionStream(g, row_groups, seed, epoch, p, window) for p, g in enumerate(dealt)]
         self.offsets = np.concatenate([[0], np.cumsum(self.parts)])  # partition p's slice of a batch
 
-    def rows_of(self, position: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row group ids, rows within them) of rows lo..hi of global batch `position`."""
+    def rows_of(self, first: int, count: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row group ids, rows within them) of rows lo..hi of global batches first..first+count,
+        batch after batch, each in partition order: shape (count, hi - lo)."""
         groups, rows = [], []
+        steps = np.arange(first, first + count, dtype=np.int64)[:, None]
         for p, stream in enumerate(self.streams):
             a, b = max(lo, int(self.offsets[p])), min(hi, int(self.offsets[p + 1]))
             if a >= b:
                 continue
-            base = position * int(self.parts[p]) - int(self.offsets[p])
-            g, r = stream.locate(np.arange(base + a, base + b, dtype=np.int64))
-            groups.append(g)
-            rows.append(r)
+            positions = steps * int(self.parts[p]) + np.arange(a - int(self.offsets[p]), b - int(self.offsets[p]))
+            g, r = stream.locate(positions.ravel())
+            groups.append(g.reshape(count, -1))
+            rows.append(r.reshape(count, -1))
         if not groups:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return np.concatenate(groups), np.concatenate(rows)
+            return np.empty((count, 0), np.int64), np.empty((count, 0), np.int64)
+        return np.hstack(groups), np.hstack(rows)
 
 
 def steps_per_epoch(row_groups: Sequence[RowGroup], partitions: int, global_batch_size: int) -> int:
@@ -185,31 +188,35 @@ class RowGroupCache:
 
 def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
     """The rows (group, row) in the given order, column by column."""
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    unique, starts = np.unique(sorted_groups, return_index=True)
+    ends = np.append(starts[1:], len(order))
+    loaded = [cache.get(int(g)) for g in unique]  # every group this read needs, before any is dropped
     out: dict[str, np.ndarray] = {}
-    unique = list(dict.fromkeys(groups.tolist()))
-    for group in unique:
-        cache.get(group)  # touch every group this batch needs before any can be dropped
-    for group in unique:
-        mask = groups == group
-        columns = cache.get(group)
+    for columns, start, end in zip(loaded, starts, ends):
+        where = order[start:end]
         for name, column in columns.items():
             if name not in out:
                 out[name] = np.empty((len(groups),) + column.shape[1:], dtype=column.dtype)
-            out[name][mask] = column[rows[mask]]
+            out[name][where] = column[rows[where]]
     return out
 
 
 class StreamingShard:
     """One worker's part of each global batch, read row group by row group (the streaming
-    counterpart of `loader.TrainShard`: the same `steps_per_epoch` and `batch(step)`)."""
+    counterpart of `loader.TrainShard`: the same `steps_per_epoch` and `batch(step)`).
+
+    Steps are located and gathered a chunk at a time (a vectorised pass over as many steps as fit in
+    a window's rows), and, with `read_ahead`, the next chunk's row groups are read on a background
+    thread while this chunk trains."""
 
     def __init__(self, row_groups: Sequence[RowGroup], load: Callable[[int], dict[str, np.ndarray]], plan,
-                 seed: int, partitions: int, window: int, prefetch: int = 2, to_tensors=None):
+                 seed: int, partitions: int, window: int, read_ahead: bool = True, to_tensors=None):
         self.row_groups, self.plan, self.seed = list(row_groups), plan, seed
-        self.partitions, self.window, self.prefetch_steps = partitions, window, prefetch
+        self.partitions, self.window, self.read_ahead = partitions, window, read_ahead
         self._to_tensors = to_tensors or (lambda columns: columns)
         self._epochs: dict[int, EpochPlan] = {}
-        self._located: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the steps being read and read ahead
         if partitions > plan.global_batch_size:
             raise ValueError(f"data.options.partitions {partitions} is more than train.global_batch_size "
                              f"{plan.global_batch_size}: every partition gives at least one row to each batch")
@@ -220,10 +227,16 @@ class StreamingShard:
                              "smaller row groups or a smaller batch")
         bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(plan.global_batch_size), plan.world_size)])
         self._lo, self._hi = int(bounds[plan.rank]), int(bounds[plan.rank + 1])
-        # the windows of every partition this rank reads, and the next ones being prefetched
+        # A chunk takes at most a window's rows of each partition (the smallest row groups counted).
+        smallest = min(g.rows for g in self.row_groups)
+        self.chunk_steps = int(np.clip(window * smallest // int(batch_parts(plan.global_batch_size, partitions).max()),
+                                       1, 64))
+        # the rank's partitions: the windows a chunk reads, the ones a chunk reaches into, the next ones
         touched = int(np.searchsorted(self._epoch(0).offsets, self._hi, side="left")
                       - np.searchsorted(self._epoch(0).offsets, self._lo, side="right") + 1)
-        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 2 + prefetch)
+        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3)
+        self._chunk: tuple[int, int, dict[str, np.ndarray]] | None = None  # (first step, steps, columns)
+        self._next: tuple[int, int, np.ndarray, np.ndarray] | None = None  # the located chunk after it
 
     def _epoch(self, epoch: int) -> EpochPlan:
         if epoch not in self._epochs:
@@ -233,21 +246,32 @@ class StreamingShard:
             self._epochs[epoch] = plan
         return self._epochs[epoch]
 
+    def _locate_chunk(self, step: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """The chunk starting at `step` (never across an epoch's end): (step, steps, groups, rows)."""
+        if self._next is not None and self._next[0] == step:
+            return self._next
+        epoch, position = divmod(step, self.steps_per_epoch)
+        count = min(self.chunk_steps, self.steps_per_epoch - position)
+        groups, rows = self._epoch(epoch).rows_of(position, count, self._lo, self._hi)
+        return step, count, groups, rows
+
     def locate(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(row group ids, rows within them) of this worker's part of global batch `step`."""
-        if step not in self._located:
-            epoch, position = divmod(step, self.steps_per_epoch)
-            self._located = {k: v for k, v in self._located.items() if step - k <= 0 or k > step - 2}
-            self._located[step] = self._epoch(epoch).rows_of(position, self._lo, self._hi)
-        return self._located[step]
+        epoch, position = divmod(step, self.steps_per_epoch)
+        groups, rows = self._epoch(epoch).rows_of(position, 1, self._lo, self._hi)
+        return groups[0], rows[0]
 
     def batch(self, step: int):
-        """This worker's part of global batch number `step` (counted from the start of the run); the
-        row groups of the next `prefetch` steps are read meanwhile."""
-        groups, rows = self.locate(step)
-        columns = gather(self.cache, groups, rows)
-        ahead: dict[int, None] = {}
-        for later in range(step + 1, step + 1 + self.prefetch_steps):
-            ahead.update(dict.fromkeys(self.locate(later)[0].tolist()))
-        self.cache.prefetch(ahead)
-        return self._to_tensors(columns)
+        """This worker's part of global batch number `step` (counted from the start of the run)."""
+        if self._chunk is None or not self._chunk[0] <= step < self._chunk[0] + self._chunk[1]:
+            first, count, groups, rows = self._locate_chunk(step)
+            columns = gather(self.cache, groups.ravel(), rows.ravel())
+            self._chunk = (first, count, {k: v.reshape((count, -1) + v.shape[1:]) for k, v in columns.items()})
+            if self.read_ahead:
+                self._next = self._locate_chunk(first + count)
+                self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()))
+        first, _, columns = self._chunk
+        return self._to_tensors({k: v[step - first] for k, v in columns.items()})
+
+    def close(self) -> None:
+        self.cache.close()
