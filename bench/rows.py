@@ -172,46 +172,10 @@ def data_path(quick: bool, train_rate: dict) -> dict:
                 produced = sum(len(next(iter(shard.batch(s).values()))) for s in range(shard.steps_per_epoch))
                 loader.append(produced / (time.perf_counter() - start))
             per_worker_training = train_rate.get(task, 0) / 2
-            streaming, cached = _streaming_rate(job, manifest, cache, 1 if quick else 3)
             row[task] = {"raw_parquet_rows_per_s": max(raw), "loader_rows_per_s_per_worker": max(loader),
                          "loader_vs_raw_read": max(loader) / max(raw),
-                         "loader_vs_training_consumption": max(loader) / per_worker_training if per_worker_training else None,
-                         "streaming_rows_per_s_per_worker": streaming, "streaming_vs_in_memory": streaming / max(loader),
-                         "streaming_row_groups_held": cached}
+                         "loader_vs_training_consumption": max(loader) / per_worker_training if per_worker_training else None}
     return row
-
-
-def _streaming_rate(job, manifest, cache: str, repeats: int) -> tuple[float, int]:
-    """The same training rows read through the streaming loader (the `parquet` source: row groups
-    of about 1/64 of the split, 4 partitions, 2 workers, rank 0's part): rows/s, and the most row
-    groups it held at once."""
-    from training.data.external import train_stream
-    from training.data.loader import BatchPlan
-    from training.data.parquet import ParquetOptions, build_index
-
-    folder = Path(cache) / f"stream-{manifest.task}"
-    for split in ("train", "validation"):
-        (folder / split).mkdir(parents=True, exist_ok=True)
-        table = pq.read_table(manifest.shard_uris(split))
-        pq.write_table(table, folder / split / "part-0.parquet", row_group_size=max(16, table.num_rows // 64))
-    columns = {"features": "x", "label": "y"} if manifest.task == "classification" else {"tokens": "tokens"}
-    options = ParquetOptions(path=str(folder / "train"), validation_path=str(folder / "validation"), partitions=4, **columns,
-                             **({"num_classes": manifest.spec["num_classes"]} if manifest.task == "classification"
-                                else {"vocab_size": manifest.spec["vocab_size"]}))
-    index = build_index(options)
-    streamed = type(manifest)(root=str(folder), source="parquet", options=options.model_dump(), task=index["task"],
-                              spec=index["spec"], splits=index["splits"], schema=index["schema"], digest=index["digest"])
-    rates, held = [], 0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        shard = train_stream(streamed, BatchPlan(job.train.global_batch_size, 2, 0), job.seed)
-        produced = 0
-        for step in range(shard.steps_per_epoch):
-            produced += len(next(iter(shard.batch(step).values())))
-            held = max(held, len(shard.cache._cache))
-        rates.append(produced / (time.perf_counter() - start))
-        shard.cache.close()
-    return max(rates), held
 
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets), for model FLOPs utilisation.
