@@ -96,7 +96,8 @@ def check_unchanged(manifest_root: Optional[str], options: dict[str, Any]) -> No
         return
     if not is_external(manifest):
         return
-    opts = parquet.ParquetOptions.model_validate(options)
+    # (data tokenized by the `text` source: its index names the files it wrote, as options)
+    opts = parquet.ParquetOptions.model_validate(options if manifest.source == SOURCE else manifest.options)
     try:
         listing = parquet.list_files(opts.path, opts.filter)
         if opts.validation_path is not None:

@@ -77,6 +77,10 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
         from training.data import external
 
         return external.prepare(data, cache_root, log, check)
+    if data.source == "text":  # tokenized into Parquet that is streamed like the parquet source's
+        from training.data import text
+
+        return text.prepare(data, cache_root, log, check)
     source = load_source(data.source, data.options)
     if check is not None:
         check(source.task, source.spec, {name: table.num_rows for name, table in source.splits.items()})

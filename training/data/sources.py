@@ -120,9 +120,13 @@ def validate_builtin_source_options(source: str, options: dict) -> None:
         from training.data.parquet import ParquetOptions
 
         options_type = ParquetOptions
+    elif source == "text":  # tokenized during preparation: training/data/text.py
+        from training.data.text import TextOptions
+
+        options_type = TextOptions
     elif source not in BUILTIN_SOURCES:
         raise ConfigError(
-            f"data.source: unknown source {source!r}; built-in: {', '.join(BUILTIN_SOURCES)}, parquet, "
+            f"data.source: unknown source {source!r}; built-in: {', '.join(BUILTIN_SOURCES)}, parquet, text, "
             "or a plug-in 'package.module:function'"
         )
     else:

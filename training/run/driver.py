@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -49,9 +50,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     `initial_checkpoint`, a checkpoint to start from when the run has none of its own;
     `mlflow_run_id`, an MLflow run to continue when the run has no record yet; `mlflow_tags`,
     extra tags (`mlflow.parentRunId` nests the run)."""
-    from training.run import preflight, trainer
-    from training.run.finalize import finalize
-    from training.run.resources import maximum_resources, worker_resources
+    from training.run import preflight
+    from training.run.resources import maximum_resources
     from training.run.session import check_recorded_cluster, ray_session
 
     started = time.monotonic()
@@ -68,12 +68,43 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         from training.data.external import check_unchanged
 
         check_unchanged(record.dataset.get("root"), job.data.options)
+        if job.data.source == "text":  # and text to tokenize must be the text it was tokenized from
+            from training.data import text
+
+            text.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache)
     largest = maximum_resources()  # None: no launcher config on this machine
-    manifest = preflight.prepare_checked(job.data, paths, preflight.job_checks(job, paths), log)
+    checks = preflight.job_checks(job, paths)
+    # Text to tokenize on the cluster is prepared inside the Ray session the fit then uses. The
+    # checks of the text itself (paths, options, tokenizer, splits: text.plan) are made here first,
+    # without Ray; the job's checks on the data (rows, the model's shapes) once it is tokenized.
+    on_cluster = job.data.source == "text" and _text_wants_cluster(job, paths)
+    manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log)
     # (after the checks above, which import no Ray: a leftover local cluster that cannot be joined)
     check_recorded_cluster()
-    timings["data_ready"] = time.time()
+    with ExitStack() as session:
+        if on_cluster:
+            session.enter_context(ray_session(job.model.name, job.data.source))
+            manifest = preflight.prepare_checked(job.data, paths, checks, log)
+        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
+                    initial_checkpoint, mlflow_run_id, mlflow_tags)
 
+
+def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
+    from training.data import text
+
+    return text.wants_cluster(text.plan(job.data, paths.data_cache))
+
+
+def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
+         initial_checkpoint, mlflow_run_id, mlflow_tags) -> RunSummary:
+    """From the prepared data to the end of the run (inside the Ray session that prepared the data,
+    if one did)."""
+    from training.run import trainer
+    from training.run.finalize import finalize
+    from training.run.resources import worker_resources
+    from training.run.session import ray_session
+
+    timings["data_ready"] = time.time()
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()
@@ -82,6 +113,10 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
             from training.tracking.datasets import log_datasets
 
             log_datasets(tracker, manifest, log)
+            if job.data.source == "text":
+                from training.data.tokenizer import log_tokenizer
+
+                log_tokenizer(tracker, manifest, log)
         RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
                   dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))

@@ -1,0 +1,125 @@
+"""Runs in the driver: the `text` source's tokenizer. A Hugging Face `tokenizers` file the user
+gives, or a byte-level BPE trained on a deterministic sample of the training files; either is saved
+beside the tokenized data as tokenizer.json and logged to the run in MLflow."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Callable
+
+from training import storage
+from training.data import parquet
+from training.data.tokenize import DataError, format_of
+from training.errors import UserError
+
+EOS = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here (id 0)
+# A tokenizer file's end-of-document token, when eos_token is not given: the first of these it has.
+EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def hash_rank(files: list[parquet.DataFile]) -> list[parquet.DataFile]:
+    """Files in a deterministic order that does not depend on how they were listed."""
+    return sorted(files, key=lambda f: hashlib.sha256(f.uri.encode()).hexdigest())
+
+
+def load_tokenizer(options):
+    """(content of the tokenizer file or None, eos id). UserError naming the option if it fails."""
+    if options.tokenizer.file is None:
+        return None, 0  # trained here: EOS is its first special token
+    from tokenizers import Tokenizer
+
+    where = options.tokenizer.file
+    try:
+        content = storage.read_text(where)
+        tokenizer = Tokenizer.from_str(content)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(f"data.options.tokenizer.file: {where} does not load as a Hugging Face tokenizers "
+                        f"file: {reason}") from None
+    names = [options.eos_token] if options.eos_token else EOS_CANDIDATES
+    for name in names:
+        token = tokenizer.token_to_id(name)
+        if token is not None:
+            return content, token
+    option = "data.options.eos_token" if options.eos_token else "data.options.tokenizer.file"
+    raise UserError(f"{option}: {where} has no end-of-document token {' or '.join(map(repr, names))}"
+                    + ("" if options.eos_token else "; set data.options.eos_token to the one it has"))
+
+
+def sample_documents(files: list[parquet.DataFile], options, sample_bytes: int):
+    """A deterministic sample: files by a hash of their path, an equal share of the budget from each
+    (at least 4 KiB), until the budget is spent."""
+    from training.data.tokenize import documents
+
+    share, total = max(sample_bytes // max(len(files), 1), 4096), 0
+    for file in hash_rank(files):
+        taken = 0
+        for batch in documents(file.uri, format_of(file.uri, options.format), options.text_column, limit_bytes=share):
+            for doc in batch:
+                doc = doc[: share - taken]
+                taken += len(doc)
+                yield doc
+                if taken >= share:
+                    break
+            if taken >= share:
+                break
+        total += taken
+        if total >= sample_bytes:
+            return
+
+
+def train_tokenizer(files: list[parquet.DataFile], options):
+    """A byte-level BPE (every byte has a token: any text encodes, and decodes back exactly)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    training = options.tokenizer.train
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=training.vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(sample_documents(files, options, training.sample_bytes), trainer=trainer)
+    assert tokenizer.token_to_id(EOS) == 0
+    return tokenizer
+
+
+def write_atomically(uri: str, text: str) -> None:
+    fs, path = storage.filesystem(uri)
+    parent, name = path.rsplit("/", 1)
+    fs.create_dir(parent, recursive=True)
+    storage.write_text(storage.join(uri.rsplit("/", 1)[0], f".{name}.tmp"), text)
+    fs.move(f"{parent}/.{name}.tmp", path)
+
+
+def tokenizer_of(text_plan, log: Callable[[str], None]):
+    """The plan's tokenizer, saved as tokenizer.json in the dataset (trained once: a resumed
+    preparation loads the one it trained)."""
+    from tokenizers import Tokenizer
+
+    saved = storage.join(text_plan.root, TOKENIZER_FILE)
+    if text_plan.tokenizer_json is not None:
+        if not storage.exists(saved):
+            write_atomically(saved, text_plan.tokenizer_json)
+        return Tokenizer.from_str(text_plan.tokenizer_json)
+    if storage.exists(saved):
+        return Tokenizer.from_str(storage.read_text(saved))
+    started = time.monotonic()
+    try:
+        tokenizer = train_tokenizer(text_plan.inputs["train"], text_plan.options)
+    except DataError as exc:  # (a bad jsonl line in the sample)
+        raise UserError(f"data.options.path: {exc}") from None
+    write_atomically(saved, tokenizer.to_str())
+    log(f"data: trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens on a sample of up to "
+        f"{text_plan.options.tokenizer.train.sample_bytes} bytes in {time.monotonic() - started:.1f} s")
+    return tokenizer
+
+
+def log_tokenizer(tracker, manifest, log: Callable[[str], None]) -> None:
+    """The tokenizer as the MLflow artifact tokenizer/tokenizer.json (a failure is a warning)."""
+    try:
+        tracker.client.log_text(tracker.run_id, storage.read_text(storage.join(manifest.root, TOKENIZER_FILE)),
+                                f"tokenizer/{TOKENIZER_FILE}")
+    except Exception as exc:
+        log(f"tracking: the tokenizer was not logged to MLflow: {str(exc).splitlines()[0][:200]}")
