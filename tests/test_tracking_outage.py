@@ -259,7 +259,8 @@ def finished_run(tmp_path, run_dir: Path, run_id: str, tracking_uri: str):
               metrics={"val_accuracy": 0.5})
     metrics = {"step": 20, "train_loss": 0.5, "val_loss": 0.6, "val_accuracy": 0.5, "samples_per_s": 100.0,
                "world_size": 1}
-    result = SimpleNamespace(checkpoint=ray.train.Checkpoint.from_directory(str(directory)), metrics=metrics)
+    registered = ray.train.Checkpoint.from_directory(str(directory))
+    result = SimpleNamespace(checkpoint=registered, metrics=metrics, best_checkpoints=[(registered, metrics)])
     summary = RunSummary(name=run_dir.name, run_dir=str(run_dir), steps=20, metrics=metrics, wall_s=1.0, resumed=False,
                          checkpoint_path=str(directory), mlflow_run_id=run_id, tracking_uri=tracking_uri)
     assert torch.is_tensor(next(iter(model.state_dict().values())))

@@ -81,5 +81,5 @@ def test_tinylm_trains_a_small_decoder(ray_cluster, workdir):
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     (run,) = runs_named(client, "tinylm", "tiny")
     assert client.get_metric_history(run.info.run_id, "val_perplexity")
-    assert run.data.metrics["cluster_cost_usd_estimate"] > 0
-    assert run.data.metrics["cluster_gpu_energy_kwh_estimate"] > 0
+    assert run.data.metrics["cluster_cost_usd_estimate"] > 0  # the head's time
+    assert run.data.metrics["cluster_gpu_energy_kwh_estimate"] == 0  # CPU workers: no GPU node priced
