@@ -89,3 +89,11 @@ def test_the_policy_imports_neither_mlflow_nor_threads():
             "print(sorted(m for m in ('mlflow', 'ray', 'threading', 'training.tracking.sender') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_backoff_stays_at_its_cap_after_any_number_of_failures():
+    from training.backoff import exponential_backoff_s
+
+    # (the sender thread of a run whose MLflow stayed away counted past 1024 failures: 2 ** 1024 overflowed)
+    assert exponential_backoff_s(10**6, 0.5, 30.0) == 30.0
+    assert [exponential_backoff_s(n, 0.5, 30.0) for n in (0, 1, 2, 3)] == [0.5, 0.5, 1.0, 2.0]
