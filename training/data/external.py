@@ -9,7 +9,6 @@ dataset is listed again but its footers are not re-read. Workers stream the trai
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -130,9 +129,3 @@ def train_stream(manifest, plan, seed: int) -> StreamingShard:
     reader = parquet.FileReader(manifest.splits["train"], options)
     return StreamingShard(reader.groups, reader.load, plan, seed=seed, partitions=options.partitions,
                           window=options.shuffle_window, read_ahead=options.read_ahead, to_tensors=_tensors)
-
-
-def manifest_summary(manifest) -> dict[str, Any]:
-    """What MLflow records about the dataset (no file list: it may be long)."""
-    return {"digest": manifest.digest, "files": len(recorded_files(manifest)),
-            "rows": json.dumps({k: v["rows"] for k, v in manifest.splits.items()})}

@@ -14,8 +14,10 @@ CONTEXTS = {"train": "training", "validation": "validation"}
 def dataset_inputs(manifest) -> list:
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
+    from training.data.external import is_external
+
     name = manifest.source.split(":")[-1]
-    if "files" in manifest.splits["train"]:  # read in place: the data's own location
+    if is_external(manifest):  # read in place: the data's own location
         where = manifest.options.get("path")
         source_type, source = "parquet", json.dumps({"uri": redact(json.dumps(where)), "index": redact(manifest.root)})
     else:
