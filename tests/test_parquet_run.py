@@ -1,51 +1,69 @@
-"""Integration: a training run on Parquet files read where they are (the `parquet` source), laid out
-as Spark writes a partitioned table, streamed by 2 workers on a local Ray cluster and tracked in
-MLflow; a resume after the data changed is refused before anything is written."""
+"""Integration: a training run on a table Spark wrote (Hive-partitioned, with its `.crc` and `_SUCCESS`
+files), read where it is by the `parquet` source, streamed by 2 workers on a local Ray cluster and
+tracked in MLflow; a worker killed mid-epoch resumes to bit-identical weights; a resume after the
+data changed is refused before anything is written."""
 
 import json
 import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
-from sklearn.datasets import load_digits
 
 from conftest import CONFIGS
 from training import config as config_lib
+from training.checkpoint import format as ckpt
 from training.errors import UserError
 from training.run.driver import run_training
 
 pytestmark = pytest.mark.ray
 
 
-def write_digits_table(root):
-    """The digits as a Hive-partitioned table (by a collection day), 4 part files per partition, row
-    groups of 64 rows, with the files Spark leaves beside its output."""
-    digits = load_digits()
-    x, y = (digits.data / 16).astype(np.float32), digits.target.astype(np.int64)
-    day = np.random.default_rng(0).integers(0, 2, len(y))
-    for d in (0, 1):
-        rows = np.flatnonzero(day == d)
-        folder = root / f"day=2026-01-0{d + 1}"
-        folder.mkdir(parents=True)
-        for part, chunk in enumerate(np.array_split(rows, 4)):
-            pixels = pa.FixedSizeListArray.from_arrays(pa.array(x[chunk].ravel()), 64)
-            pq.write_table(pa.table({"pixels": pixels, "digit": y[chunk]}),
-                           folder / f"part-{part:05d}-4c1d.c000.snappy.parquet", row_group_size=64)
-            (folder / f".part-{part:05d}-4c1d.c000.snappy.parquet.crc").write_bytes(b"\0")
-    (root / "_SUCCESS").write_text("")
+SPARK_TABLE = Path(__file__).resolve().parent / "data" / "spark_digits"  # tests/data/make_spark_digits.py
 
 
-def test_a_run_streams_parquet_in_place_and_refuses_changed_data_on_resume(ray_cluster, workdir):
+def worker_pids():
+    """Ray Train worker processes on this machine (Ray names them ray::RayTrainWorker...)."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
+
+
+def kill_a_worker_after(run_dir, step, kills):
+    """SIGKILL one training worker once the run has a complete checkpoint at `step` (mid-epoch)."""
+
+    def target():
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (run_dir / ckpt.checkpoint_dir_name(step) / ckpt.META_FILE).exists():
+            time.sleep(0.1)
+        time.sleep(0.5)
+        for pid in worker_pids()[:1]:
+            os.kill(pid, signal.SIGKILL)
+            kills.append(pid)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def final_weights(run_dir):
+    return ckpt.load(sorted(run_dir.glob("checkpoint-*"))[-1])["model"]
+
+
+def test_a_run_streams_a_spark_table_in_place_resumes_bit_identically_and_refuses_changed_data(ray_cluster, workdir):
     table = workdir / "warehouse" / "digits"
-    write_digits_table(table)
+    shutil.copytree(SPARK_TABLE, table)  # (copy2: sizes and modification times as Spark left them)
     data = (f"data.options={{path: '{table}', features: pixels, label: digit, validation_fraction: 0.25, "
             "partitions: 8, shuffle_window: 2}")
     overrides = ["data.source=parquet", data, "train.max_steps=150", "train.eval_every_n_steps=50",
                  "train.global_batch_size=64", "checkpoint.every_n_steps=50", "tracking.register_model=false",
-                 "tracking.export_onnx=false"]
+                 "tracking.export_onnx=false", "failure.max_failures=2"]
     job = config_lib.load(CONFIGS / "digits.yaml", overrides, name="parquet-digits")
     summary = run_training(job, log=print)
 
@@ -63,9 +81,20 @@ def test_a_run_streams_parquet_in_place_and_refuses_changed_data_on_resume(ray_c
     assert rows == {"training": recorded["train"]["rows"], "validation": recorded["validation"]["rows"]}
     assert sum(rows.values()) == 1797  # every digit, in one split or the other
 
-    victim = table / "day=2026-01-02" / "part-00002-4c1d.c000.snappy.parquet"
+    # A worker SIGKILLed mid-epoch (an epoch is about 21 steps): the group restarts from step 50 and
+    # streams on from that row of that epoch, to the same weights, bit for bit.
+    kills = []
+    killer = kill_a_worker_after(workdir / "runs" / "parquet-chaos", 50, kills)
+    chaotic = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides, name="parquet-chaos"), log=print)
+    killer.join(timeout=5)
+    assert kills and chaotic.steps == 150
+    expected, actual = final_weights(workdir / "runs" / "parquet-digits"), final_weights(workdir / "runs" / "parquet-chaos")
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected), "weights differ after a restart"
+
+    victim = next(table.glob("day=2026-01-02/part-00002-*.snappy.parquet"))
     os.utime(victim, ns=(10**18, 10**18))
     before = sorted(p.name for p in cache.iterdir())
-    with pytest.raises(UserError, match="part-00002-4c1d.c000.snappy.parquet changed"):
+    with pytest.raises(UserError, match=f"{victim.name} changed"):
         run_training(config_lib.load(CONFIGS / "digits.yaml", overrides, name="parquet-digits"), log=print)
     assert sorted(p.name for p in cache.iterdir()) == before

@@ -2,6 +2,7 @@
 fixed number of partitions, whatever the world size."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -146,6 +147,38 @@ def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path
     assert parquet.build_index(options(tmp_path / "t"))["splits"] == index["splits"]
     one_day = parquet.build_index(options(tmp_path / "t", filter={"day": "2026-01-02"}))
     assert {f["partition"]["day"] for f in one_day["splits"]["train"]["files"]} == {"2026-01-02"}
+
+
+SPARK_TABLE = Path(__file__).resolve().parent / "data" / "spark_digits"  # tests/data/make_spark_digits.py
+
+
+def test_a_table_spark_wrote_is_indexed_and_read_as_written():
+    """The committed table is Spark's own output: parquet-mr files, Spark's schema metadata, an
+    `array<float>` column as a Parquet LIST, an INT96 timestamp the run does not read."""
+    from sklearn.datasets import load_digits
+
+    files = parquet.list_files(str(SPARK_TABLE))
+    assert len(files) == 8 and {f.partition["day"] for f in files} == {"2026-01-01", "2026-01-02"}
+    first = pq.ParquetFile(files[0].uri.removeprefix("file://"))
+    assert first.metadata.created_by.startswith("parquet-mr") and b"org.apache.spark.version" in first.schema_arrow.metadata
+    opts = parquet.ParquetOptions(path=str(SPARK_TABLE), features="pixels", label="digit", validation_fraction=0.25)
+    index = parquet.build_index(opts)
+    splits = index["splits"]
+    assert splits["train"]["rows"] + splits["validation"]["rows"] == 1797
+    assert index["spec"] == {"input_dim": 64, "num_classes": 10}
+    assert sum(len(f["row_groups"]) for f in splits["train"]["files"] + splits["validation"]["files"]) > 8
+
+    # every row, read through the loader's reader, is a digit as scikit-learn has it
+    digits = load_digits()
+    expected = {(tuple((digits.data[i] / 16).astype(np.float32)), int(digits.target[i])) for i in range(1797)}
+    read = set()
+    for name in ("train", "validation"):
+        reader = parquet.FileReader(splits[name], opts)
+        for group in range(len(reader.groups)):
+            part = reader.load(group)
+            assert part["x"].dtype == np.float32 and part["x"].shape[1] == 64
+            read |= {(tuple(x), int(y)) for x, y in zip(part["x"], part["y"])}
+    assert read == expected
 
 
 def test_a_changed_file_is_named(tmp_path):
