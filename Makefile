@@ -20,7 +20,13 @@ ARGS ?=
 # writes what it compiles, and every Ray worker then compiles torch and Ray again (import torch:
 # 7.7 s instead of 2.6). compileall's exit code is ignored: some packages ship test files in newer
 # syntax (torch's py312_intrinsics.py), which nothing imports.
+#
+# The tests run a real Spark (local mode), which needs a Java runtime: installed from the OS packages
+# where it is missing and this is a root shell with apt-get; elsewhere the Spark test says what to do.
 $(STAMP): pyproject.toml
+	@command -v java > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null \
+		&& { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless > /dev/null; } \
+		|| echo "note: no Java runtime; install one (Java 17+) for the Spark test"; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile "$(TORCH)" 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q --no-compile -e ".[test]" 2>&1 | $(QUIET_PIP)

@@ -152,16 +152,37 @@ def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path
 SPARK_TABLE = Path(__file__).resolve().parent / "data" / "spark_digits"  # tests/data/make_spark_digits.py
 
 
-def test_a_table_spark_wrote_is_indexed_and_read_as_written():
-    """The committed table is Spark's own output: parquet-mr files, Spark's schema metadata, an
-    `array<float>` column as a Parquet LIST, an INT96 timestamp the run does not read."""
+def spark_table(tmp_path):
+    """The digits as Spark writes them now, in local mode (tests/data/make_spark_digits.py)."""
+    import shutil
+    import sys
+
+    if shutil.which("java") is None:
+        pytest.skip("no Java runtime: install Java 17+ (make setup does, as root with apt-get)")
+    sys.path.insert(0, str(SPARK_TABLE.parent))
+    try:
+        import make_spark_digits
+    finally:
+        sys.path.remove(str(SPARK_TABLE.parent))
+    make_spark_digits.write(tmp_path / "digits")
+    return tmp_path / "digits"
+
+
+@pytest.mark.parametrize("written", ["committed", "now"])
+def test_a_table_spark_wrote_is_indexed_and_read_as_written(tmp_path, written):
+    """Spark's own output: parquet-mr files, Spark's schema metadata, Hive folders with `.crc` and
+    `_SUCCESS` beside them, an `array<float>` column as a Parquet LIST, an INT96 timestamp the run
+    does not read. The committed table (the one the training test runs on) and one written by the
+    installed Spark in this test."""
     from sklearn.datasets import load_digits
 
-    files = parquet.list_files(str(SPARK_TABLE))
+    table = SPARK_TABLE if written == "committed" else spark_table(tmp_path)
+    assert (table / "_SUCCESS").exists() and list(table.glob("day=*/.part-*.crc"))
+    files = parquet.list_files(str(table))
     assert len(files) == 8 and {f.partition["day"] for f in files} == {"2026-01-01", "2026-01-02"}
     first = pq.ParquetFile(files[0].uri.removeprefix("file://"))
     assert first.metadata.created_by.startswith("parquet-mr") and b"org.apache.spark.version" in first.schema_arrow.metadata
-    opts = parquet.ParquetOptions(path=str(SPARK_TABLE), features="pixels", label="digit", validation_fraction=0.25)
+    opts = parquet.ParquetOptions(path=str(table), features="pixels", label="digit", validation_fraction=0.25)
     index = parquet.build_index(opts)
     splits = index["splits"]
     assert splits["train"]["rows"] + splits["validation"]["rows"] == 1797

@@ -24,7 +24,8 @@ from sklearn.datasets import load_digits
 OUT = Path(__file__).resolve().parent / "spark_digits"
 
 
-def main() -> int:
+def write(out: Path) -> None:
+    """The digits table at `out`, replaced if it exists."""
     digits = load_digits()
     x, y = (digits.data / 16).astype(np.float32), digits.target.astype(np.int32)
     day = np.random.default_rng(0).integers(0, 2, len(y))
@@ -43,11 +44,15 @@ def main() -> int:
              .getOrCreate())
     try:
         frame = spark.createDataFrame(rows, schema).repartition(4, "id")
-        shutil.rmtree(OUT, ignore_errors=True)
-        frame.write.partitionBy("day").parquet(str(OUT))
-        print(f"spark {spark.version} wrote {frame.count()} rows to {OUT}")
+        shutil.rmtree(out, ignore_errors=True)
+        frame.write.partitionBy("day").parquet(str(out))
+        print(f"spark {spark.version} wrote {frame.count()} rows to {out}")
     finally:
         spark.stop()
+
+
+def main() -> int:
+    write(OUT)
     return 0
 
 
