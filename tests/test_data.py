@@ -12,7 +12,8 @@ import torch
 
 from aws import s3_env
 from training.config import DataConfig
-from training.data.loader import BatchPlan, SplitReader, TrainShard, epoch_order, validation_part
+from training.data.loader import (DIGEST_MODULUS, BatchPlan, SplitReader, TrainShard, batch_digest, epoch_order,
+                                  validation_part)
 from training.data.prepare import MANIFEST, Manifest, prepare
 from training.data.sources import stdlib_source_files
 from training import storage
@@ -96,6 +97,25 @@ def test_global_batches_do_not_depend_on_world_size(tmp_path, world_size):
         parts = [shard.batch(step)["y"] for shard in shards]
         assert np.array_equal(np.concatenate(parts), whole.numpy())
         assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+
+
+def test_the_data_digest_adds_up_across_workers_and_tells_orders_apart(tmp_path):
+    manifest = prepare(DataConfig(source="digits"), str(tmp_path), log=quiet)
+    reader = SplitReader(manifest, "train")
+
+    def digest(world_size, steps, seed=3):
+        shards = [TrainShard(reader, BatchPlan(64, world_size, rank), seed=seed) for rank in range(world_size)]
+        total = 0
+        for step in steps:
+            for shard in shards:
+                shard.batch(step)
+                total = (total + batch_digest(step, shard.sample_ids(step))) % DIGEST_MODULUS
+        return total
+
+    steps = range(0, 2 * reader.num_rows // 64 + 3)  # into the third epoch
+    assert digest(1, steps) == digest(2, steps) == digest(3, steps) != digest(1, steps, seed=4)
+    assert digest(1, steps) != digest(1, range(1, len(steps) + 1))  # the same rows one step later
+    assert 0 < digest(1, steps) < DIGEST_MODULUS
 
 
 def test_resuming_mid_epoch_reads_what_an_uninterrupted_run_reads(tmp_path):

@@ -78,6 +78,14 @@ def run_in_thread(job):
     return thread, outcome
 
 
+def digest_history(workdir, name):
+    from mlflow.tracking import MlflowClient
+
+    _, run = loss_history(workdir, name)
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "data_digest")}
+
+
 def loss_history(workdir, name):
     from mlflow.tracking import MlflowClient
 
@@ -125,6 +133,11 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     assert abs(mean([actual[s] for s in late]) - mean([expected[s] for s in late])) < 0.1 * mean([expected[s] for s in late]) + 0.01
     assert abs(outcome["summary"].metrics["val_accuracy"] - fixed.metrics["val_accuracy"]) < 0.03
+    # and exactly the same global batches, step for step, through the shrink and the regrowth
+    assert outcome["summary"].metrics["data_digest"] == fixed.metrics["data_digest"]
+    digests = {name: digest_history(workdir, name) for name in ("fixed", "elastic")}
+    common = set(digests["fixed"]) & set(digests["elastic"])
+    assert len(common) >= 30 and all(digests["fixed"][s] == digests["elastic"][s] for s in common)
 
 
 def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):

@@ -52,6 +52,14 @@ def kill_a_worker_after(run_dir, step, kills):
     return thread
 
 
+def digest_history(workdir, name):
+    """step -> data digest, as the run's MLflow run has it."""
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
+                                filter_string=f"tags.`training.run_name` = '{name}'")
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "data_digest")}
+
+
 def final_weights(run_dir):
     return ckpt.load(sorted(run_dir.glob("checkpoint-*"))[-1])["model"]
 
@@ -91,6 +99,18 @@ def test_a_run_streams_a_spark_table_in_place_resumes_bit_identically_and_refuse
     expected, actual = final_weights(workdir / "runs" / "parquet-digits"), final_weights(workdir / "runs" / "parquet-chaos")
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected), "weights differ after a restart"
+
+    # Resized from 2 workers to 1 (a resume at another size, as after an elastic resize; the elastic
+    # node test takes a run 2 -> 1 -> 2): the same global batches as the fixed run, step for step
+    # (the data digest: training.data.loader.batch_digest).
+    resized = None
+    for workers, steps in ((2, 60), (1, 150)):
+        resized = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + [
+            f"scaling.num_workers={workers}", f"train.max_steps={steps}"], name="parquet-resized"), log=print)
+        assert resized.steps == steps and resized.metrics["world_size"] == workers
+    assert resized.metrics["data_digest"] == summary.metrics["data_digest"] == chaotic.metrics["data_digest"]
+    fixed, elastic = (digest_history(workdir, name) for name in ("parquet-digits", "parquet-resized"))
+    assert {50, 60, 100, 150} <= set(elastic) and all(elastic[s] == fixed[s] for s in elastic if s in fixed)
 
     victim = next(table.glob("day=2026-01-02/part-00002-*.snappy.parquet"))
     os.utime(victim, ns=(10**18, 10**18))

@@ -51,6 +51,13 @@ def test_the_same_global_batches_at_any_world_size():
         assert all(np.array_equal(a, b) for a, b in zip(reference, global_batches(world_size, steps)))
 
 
+def test_sample_ids_are_the_rows_read():
+    s, _ = shard(3, 2)
+    for step in (0, 1, 9, 40, 3):
+        rows = s.batch(step)["id"]  # (the test's rows carry their ids)
+        assert np.array_equal(s.sample_ids(step), rows)
+
+
 def test_an_epoch_reads_no_row_twice_and_nearly_all_of_them():
     per_epoch = steps_per_epoch(id_groups(SIZES)[0], 4, B)
     rows = np.concatenate(global_batches(2, per_epoch))

@@ -66,6 +66,7 @@ class LoopState:
     best_metric: Optional[float] = None
     evals_without_improvement: int = 0
     stopped_early: bool = False
+    data_digest: int = 0  # of the global batches trained on through `step` (training.data.loader.batch_digest)
 
 
 def checkpoint_dir_name(step: int) -> str:

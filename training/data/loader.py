@@ -27,6 +27,24 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_rows)
 
 
+# The data digest: a running sum over steps of a hash of (step, sample id) for every sample of every
+# global batch, kept below 2**40 (exact as a float64 metric, and as a float64 sum over 8192
+# workers). Order-free within a step, so each worker hashes its own part and the parts add up to
+# the global batch's; two runs with equal digests at a step saw the same global batches up to it,
+# whatever their world sizes, restarts or resizes.
+DIGEST_MODULUS = 1 << 40
+
+
+def batch_digest(step: int, sample_ids: np.ndarray) -> int:
+    """This part of global batch `step`'s contribution to the data digest (splitmix64 of each id)."""
+    with np.errstate(over="ignore"):
+        z = (np.asarray(sample_ids, dtype=np.uint64) + np.uint64(step) * np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return int(np.sum(z >> np.uint64(24), dtype=np.uint64)) % DIGEST_MODULUS
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one global batch is divided across workers and micro-batches."""
@@ -113,6 +131,7 @@ class TrainShard:
         parts = [self.plan.rank_part(order[j * B:(j + 1) * B]) for j in range(first_position, self.steps_per_epoch)]
         self._offsets = np.cumsum([0] + [len(p) for p in parts])
         self._rows = self.reader.take(np.concatenate(parts))
+        self._parts = parts
         self._epoch, self._first = epoch, first_position
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
@@ -123,6 +142,10 @@ class TrainShard:
         k = position - self._first
         start, stop = self._offsets[k], self._offsets[k + 1]
         return {name: column[start:stop] for name, column in self._rows.items()}
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """The split's row numbers in this worker's part of global batch `step` (after `batch(step)`)."""
+        return self._parts[step % self.steps_per_epoch - self._first]
 
 
 def validation_part(reader: SplitReader, world_size: int, rank: int) -> dict[str, torch.Tensor]:

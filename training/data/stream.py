@@ -235,7 +235,9 @@ class StreamingShard:
         touched = int(np.searchsorted(self._epoch(0).offsets, self._hi, side="left")
                       - np.searchsorted(self._epoch(0).offsets, self._lo, side="right") + 1)
         self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3)
+        self._group_start = np.cumsum([0] + [g.rows for g in self.row_groups])  # sample id = start + row
         self._chunk: tuple[int, int, dict[str, np.ndarray]] | None = None  # (first step, steps, columns)
+        self._chunk_ids: np.ndarray | None = None  # (steps, rows of this worker's part)
         self._next: tuple[int, int, np.ndarray, np.ndarray] | None = None  # the located chunk after it
 
     def _epoch(self, epoch: int) -> EpochPlan:
@@ -267,11 +269,17 @@ class StreamingShard:
             first, count, groups, rows = self._locate_chunk(step)
             columns = gather(self.cache, groups.ravel(), rows.ravel())
             self._chunk = (first, count, {k: v.reshape((count, -1) + v.shape[1:]) for k, v in columns.items()})
+            self._chunk_ids = self._group_start[groups] + rows
             if self.read_ahead:
                 self._next = self._locate_chunk(first + count)
                 self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()))
         first, _, columns = self._chunk
         return self._to_tensors({k: v[step - first] for k, v in columns.items()})
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """The split's row numbers (in index order) in this worker's part of global batch `step`
+        (after `batch(step)`)."""
+        return self._chunk_ids[step - self._chunk[0]]
 
     def close(self) -> None:
         self.cache.close()

@@ -18,7 +18,7 @@ from training.adaptors.ray_private import quiet_report_logs
 from training.checkpoint.report import CheckpointReporter
 from training.checkpoint.restore import resume
 from training.config import JobConfig
-from training.data.loader import BatchPlan
+from training.data.loader import DIGEST_MODULUS, BatchPlan
 from training.data.readers import train_batches, validation_part
 from training.data.prepare import Manifest
 from training.models import build_model
@@ -74,6 +74,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     while loop.step < total_steps and not loop.stopped_early:
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
+        progress.add_samples(loop.step, train_data.sample_ids(loop.step))
         seed_all(step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
@@ -96,6 +97,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # Rank 0's clock decides for all (Progress.reduce), so every rank makes the same choice.
         final_save_wanted = rank == 0 and preemption is not None and preemption.final_save_due(time.time())
         totals = progress.reduce(final_save_wanted)
+        loop.data_digest = (loop.data_digest + totals.data_digest) % DIGEST_MODULUS
         if not policy.reports(due, totals.elapsed_s, totals.final_save):
             continue  # too soon after the last report: the window goes on
         # A node holding a worker is being drained for preemption: checkpoint now rather than at
@@ -106,7 +108,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         decision = policy.decide(due, final_save=totals.final_save, notice_fresh=fresh is not None,
                                  have_val_metrics=bool(val_metrics))
 
-        metrics = progress.metrics(loop.step, totals, scheduler.get_last_lr()[0])
+        metrics = progress.metrics(loop.step, totals, scheduler.get_last_lr()[0], loop.data_digest)
         if decision.evaluate:
             val_metrics = evaluate(model, task, val_rows, job.train.micro_batch_size or 256, device, autocast,
                                    lockstep=sharded)

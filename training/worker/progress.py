@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from training.data.loader import DIGEST_MODULUS, batch_digest
 from training.worker.evaluate import sum_across_workers
 
 
@@ -20,6 +21,7 @@ class WindowTotals:
     units: float
     elapsed_s: float
     final_save: bool
+    data_digest: int  # the window's global batches' digest (training.data.loader.batch_digest)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,12 @@ class Progress:
 
     def next_window(self) -> None:
         self.loss_sum = self.units = self.steps = 0.0
+        self.digest = 0
         self.start_s = time.perf_counter()
+
+    def add_samples(self, step: int, sample_ids) -> None:
+        """This worker's part of global batch `step`, by sample id: into the window's data digest."""
+        self.digest = (self.digest + batch_digest(step, sample_ids)) % DIGEST_MODULUS
 
     def add(self, loss_sum: torch.Tensor, units: float) -> None:
         self.loss_sum += loss_sum.detach()  # a tensor: no device sync per step
@@ -60,13 +67,15 @@ class Progress:
 
     def reduce(self, final_save_wanted: bool) -> WindowTotals:
         """A collective. Rank 0's clock and its view of a preemption decide for all: they travel
-        in the all-reduce that sums the losses (every other rank adds zero)."""
+        in the all-reduce that sums the losses (every other rank adds zero). The data digest of the
+        steps since the last reduce is handed over: the caller adds it to the run's."""
         elapsed_s = time.perf_counter() - self.start_s if self.rank == 0 else 0.0
-        loss_sum, units, elapsed_s, final_save = sum_across_workers(
-            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted)], self.device)
-        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0)
+        loss_sum, units, elapsed_s, final_save, digest = sum_across_workers(
+            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted), float(self.digest)], self.device)
+        self.digest = 0  # taken into the run's digest now, even when the window goes on unreported
+        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0, int(digest) % DIGEST_MODULUS)
 
-    def metrics(self, step: int, totals: WindowTotals, lr: float) -> dict:
+    def metrics(self, step: int, totals: WindowTotals, lr: float, data_digest: int) -> dict:
         facts = self.facts
         samples_per_s = self.steps * facts.global_batch_size / totals.elapsed_s
         metrics = {"step": step, "epoch": step / facts.steps_per_epoch,
@@ -75,7 +84,8 @@ class Progress:
                    # wall clock (rank 0) for throughput over any span, and when this worker group
                    # started and finished its first step (cold start, recovery time)
                    "wall_time": time.time(), "worker_start_time": facts.worker_start_s,
-                   "first_step_time": self.first_step_s, "start_step": facts.start_step}
+                   "first_step_time": self.first_step_s, "start_step": facts.start_step,
+                   "data_digest": data_digest}
         if facts.seq_len is not None:
             metrics["tokens_per_s"] = samples_per_s * facts.seq_len
             if facts.flops_per_token and facts.peak_flops_per_s:  # model FLOPs utilisation (GPUs in the peak table)
