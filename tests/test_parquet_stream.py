@@ -62,8 +62,7 @@ def test_an_epoch_reads_no_row_twice_and_nearly_all_of_them():
     per_epoch = steps_per_epoch(id_groups(SIZES)[0], 4, B)
     rows = np.concatenate(global_batches(2, per_epoch))
     assert len(np.unique(rows)) == len(rows)
-    total, largest = sum(SIZES), max(SIZES)
-    assert len(rows) >= total - 4 * (largest + B)  # at most a row group and a batch per partition left
+    assert len(rows) > sum(SIZES) - B  # less than a batch's part of each partition left
     second = np.concatenate(global_batches(2, 2 * per_epoch)[per_epoch:])
     assert len(np.unique(second)) == len(second) and not np.array_equal(np.sort(rows), rows)
 
@@ -84,8 +83,8 @@ def test_each_worker_reads_its_partitions_row_groups_only():
         for step in range(per_epoch):
             s.batch(step)
         read.append(set(reads))
-    assert not read[0] & read[1]  # W divides P: disjoint halves
-    assert sum(len(r) for r in read) <= len(SIZES)
+    assert len(read[0] & read[1]) <= 1  # W divides P: halves, but for the row group cut between them
+    assert sum(len(r) for r in read) <= len(SIZES) + 1
 
 
 def test_memory_is_bounded_by_the_window_not_the_dataset():
@@ -99,11 +98,14 @@ def test_memory_is_bounded_by_the_window_not_the_dataset():
     assert len(reads) <= len(sizes) * 1.2  # each row group read about once
 
 
-def test_the_deal_balances_partitions_and_depends_on_the_epoch():
+def test_the_deal_cuts_equal_partitions_of_every_row_and_depends_on_the_epoch():
     groups = id_groups(SIZES)[0]
     for epoch in (0, 1):
-        sizes = [sum(groups[g].rows for g in part) for part in deal(groups, 7, epoch, 4)]
-        assert max(sizes) - min(sizes) <= max(SIZES)
+        dealt = deal(groups, 7, epoch, 4)
+        sizes = [sum(n for _, _, n in part) for part in dealt]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == sum(SIZES)
+        covered = sorted((g, first + i) for part in dealt for g, first, n in part for i in range(n))
+        assert covered == [(g.index, i) for g in groups for i in range(g.rows)]  # each row once
     assert deal(groups, 7, 0, 4) != deal(groups, 7, 1, 4)
 
 

@@ -4,21 +4,23 @@ data partitions, read a row group at a time, with a bounded shuffle window.
 The order is a pure function of (the row-group index, seed, epoch, number of partitions, window),
 never of the world size, so every guarantee of the in-memory path holds:
 
-1. Each epoch, the row groups are shuffled (seeded) and dealt to `P` partitions, each to the one
-   with the fewest rows so far: partitions end up within one row group of each other in size.
-2. A partition's stream is its row groups in dealt order, cut into windows of `window` row groups;
-   the rows of each window are permuted (seeded). Position i of a stream is therefore known from
-   the row counts alone, without reading any data.
+1. Each epoch, the row groups are shuffled (seeded), laid end to end, and cut into `P` partitions of
+   equal rows (to one row): a partition is a list of segments, each a run of rows of one row group;
+   a row group at a cut is shared by the two partitions on either side of it.
+2. A partition's stream is its segments in order, cut into windows of `window` segments; the rows
+   of each window are permuted (seeded). Position i of a stream is therefore known from the row
+   counts alone, without reading any data.
 3. Global batch j takes positions [j * b_p, (j + 1) * b_p) of every partition p's stream, where
    b_p are the near-equal parts of the global batch size B over P, and concatenates them in
    partition order. A worker of rank r in W takes the r-th of W near-equal contiguous parts of
    that, as the in-memory path does; when W divides P (and P divides B) that is exactly the
-   streams of P / W partitions, so each worker reads 1/W of the epoch; otherwise it also reads the
-   row groups of the partitions cut at its part's two ends.
-4. Every epoch has the same number of steps, known from the index: dealt to the smallest,
-   no partition has fewer than (rows / P - the largest row group) rows, and an epoch takes that
-   many (rounded down to whole batches) from each. What is left of each partition (at most about
-   one row group and a batch) is not read that epoch; the next epoch's deal differs.
+   streams of P / W partitions, so each worker reads 1/W of the epoch (and the row groups cut at
+   its partitions' two ends); otherwise it also reads the row groups of the partitions cut at its
+   part's two ends.
+4. Every epoch has the same number of steps, known from the row count alone: each partition holds
+   at least rows // P rows, and an epoch takes (rows // P) // max(b_p) batches' worth from each.
+   What is left of each partition (less than a batch's part) is not read that epoch; the next
+   epoch's order differs.
 
 A step's rows are known from the index alone, so a resume at any step reads exactly what it would
 have read, and a resize changes which worker reads a row, never which global batch it is in.
@@ -44,15 +46,19 @@ class RowGroup:
     rows: int
 
 
-def deal(row_groups: Sequence[RowGroup], seed: int, epoch: int, partitions: int) -> list[list[int]]:
-    """Row group ids (positions in `row_groups`) of each partition for this epoch, in stream order."""
+def deal(row_groups: Sequence[RowGroup], seed: int, epoch: int, partitions: int) -> list[list[tuple[int, int, int]]]:
+    """Each partition's segments for this epoch, in stream order: (row group id, first row, rows)."""
     order = np.random.default_rng([seed, epoch, 0xDEA1]).permutation(len(row_groups))
-    dealt: list[list[int]] = [[] for _ in range(partitions)]
-    sizes = np.zeros(partitions, dtype=np.int64)
-    for group in order:
-        target = int(np.argmin(sizes))  # the first of the smallest: deterministic
-        dealt[target].append(int(group))
-        sizes[target] += row_groups[group].rows
+    sizes = np.array([row_groups[g].rows for g in order], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = [p * total // partitions for p in range(partitions + 1)]
+    dealt: list[list[tuple[int, int, int]]] = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left"))
+        dealt.append([(int(order[i]), max(lo, int(starts[i])) - int(starts[i]), min(hi, int(ends[i])) - max(lo, int(starts[i])))
+                      for i in range(first, last) if min(hi, int(ends[i])) > max(lo, int(starts[i]))])
     return dealt
 
 
@@ -64,11 +70,11 @@ def batch_parts(global_batch_size: int, partitions: int) -> np.ndarray:
 class PartitionStream:
     """One partition's rows for one epoch: position -> (row group id, row within it)."""
 
-    def __init__(self, groups: list[int], row_groups: Sequence[RowGroup], seed: int, epoch: int, partition: int,
-                 window: int):
-        self.groups = groups
-        counts = np.array([row_groups[g].rows for g in groups], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(counts)])  # first position of each row group
+    def __init__(self, segments: list[tuple[int, int, int]], seed: int, epoch: int, partition: int, window: int):
+        self.groups = np.array([g for g, _, _ in segments], dtype=np.int64)
+        self.first_rows = np.array([first for _, first, _ in segments], dtype=np.int64)
+        counts = np.array([n for _, _, n in segments], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # first position of each segment
         self.rows = int(self.starts[-1])
         self.window, self.seed, self.epoch, self.partition = window, seed, epoch, partition
         self._perms: dict[int, np.ndarray] = {}
@@ -88,15 +94,15 @@ class PartitionStream:
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row group id, row within the group) for each stream position."""
-        group_slot = np.searchsorted(self.starts, positions, side="right") - 1
-        windows = group_slot // self.window
+        segment = np.searchsorted(self.starts, positions, side="right") - 1
+        windows = segment // self.window
         flat = np.empty(len(positions), dtype=np.int64)
         for w in np.unique(windows):
             lo, _ = self._window_bounds(int(w))
             mask = windows == w
             flat[mask] = lo + self._perm(int(w))[positions[mask] - lo]
         slots = np.searchsorted(self.starts, flat, side="right") - 1
-        return np.asarray(self.groups, dtype=np.int64)[slots], flat - self.starts[slots]
+        return self.groups[slots], self.first_rows[slots] + flat - self.starts[slots]
 
 
 class EpochPlan:
@@ -106,7 +112,7 @@ class EpochPlan:
                  global_batch_size: int):
         self.parts = batch_parts(global_batch_size, partitions)
         dealt = deal(row_groups, seed, epoch, partitions)
-        self.streams = [PartitionStream(g, row_groups, seed, epoch, p, window) for p, g in enumerate(dealt)]
+        self.streams = [PartitionStream(segments, seed, epoch, p, window) for p, segments in enumerate(dealt)]
         self.offsets = np.concatenate([[0], np.cumsum(self.parts)])  # partition p's slice of a batch
 
     def rows_of(self, first: int, count: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,13 +133,25 @@ class EpochPlan:
         return np.hstack(groups), np.hstack(rows)
 
 
+    def groups_ahead(self, step: int, lo: int, hi: int) -> list[int]:
+        """Row group ids of the window after the one that global batch `step` reads, in each partition
+        that rows lo..hi of a batch come from: what to read ahead of time (a window is wanted all at
+        once, since its rows are permuted across its row groups)."""
+        ahead: list[int] = []
+        for p, stream in enumerate(self.streams):
+            a, b = max(lo, int(self.offsets[p])), min(hi, int(self.offsets[p + 1]))
+            if a >= b:
+                continue
+            position = min(step * int(self.parts[p]), stream.rows - 1)
+            window = int(np.searchsorted(stream.starts, position, side="right") - 1) // stream.window
+            ahead.extend(stream.groups[(window + 1) * stream.window:(window + 2) * stream.window].tolist())
+        return ahead
+
+
 def steps_per_epoch(row_groups: Sequence[RowGroup], partitions: int, global_batch_size: int) -> int:
-    """Steps of every epoch: whole batches that the smallest possible partition holds."""
-    if not row_groups:
-        return 0
-    total, largest = sum(g.rows for g in row_groups), max(g.rows for g in row_groups)
-    smallest = total // partitions - largest
-    return max(0, smallest // int(batch_parts(global_batch_size, partitions).max()))
+    """Steps of every epoch: whole batches that the smallest partition holds (rows // P rows)."""
+    total = sum(g.rows for g in row_groups)
+    return (total // partitions) // int(batch_parts(global_batch_size, partitions).max())
 
 
 class RowGroupCache:
@@ -272,7 +290,9 @@ class StreamingShard:
             self._chunk_ids = self._group_start[groups] + rows
             if self.read_ahead:
                 self._next = self._locate_chunk(first + count)
-                self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()))
+                epoch, position = divmod(first + count - 1, self.steps_per_epoch)
+                self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()
+                                                  + self._epoch(epoch).groups_ahead(position, self._lo, self._hi)))
         first, _, columns = self._chunk
         return self._to_tensors({k: v[step - first] for k, v in columns.items()})
 
