@@ -15,7 +15,8 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "recovery", "sweep", "memory", "gpu")
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "recovery", "sweep", "memory",
+        "gpu")
 
 
 def main(argv=None) -> int:
@@ -46,6 +47,10 @@ def main(argv=None) -> int:
             from bench.streaming import streaming
 
             timed("streaming", lambda: streaming(args.quick))
+        if "driver_memory" in wanted:  # fresh processes, no Ray
+            from bench.streaming import driver_memory
+
+            timed("driver_memory", lambda: driver_memory(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray
@@ -101,6 +106,8 @@ def ratios(rows_: dict) -> dict:
         found["streaming_loader_vs_raw_read"] = rows_["streaming"]["loader_vs_raw_read"]
         found["streaming_read_fraction_per_worker"] = rows_["streaming"]["read_fraction_per_worker"]
         found["streaming_rss_growth_vs_budget"] = rows_["streaming"]["rss_growth_vs_budget"]
+    for source, value in rows_.get("driver_memory", {}).items():
+        found[f"driver_prepare_peak_rss_10x_vs_1x_{source}"] = value["large_vs_small_peak_rss"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

@@ -59,6 +59,11 @@ def markdown(results: dict) -> str:
                      f"{v['rss_growth_vs_budget']:.2f}x its {v['budget_mb']} MB budget | the `parquet` source's loader "
                      f"on {v['dataset_mb']} MB of generated rows ({v['dataset_vs_budget']:.1f}x the budget), one "
                      f"worker's part, vs `ParquetFile.iter_batches` of the same files, interleaved |")
+    for source, v in r.get("driver_memory", {}).items():
+        lines.append(f"| driver memory, {source} | peak RSS {v['large_peak_rss_mb']} MB preparing {v['large_mb']} MB vs "
+                     f"{v['small_peak_rss_mb']} MB preparing {v['small_mb']} MB | **{v['large_vs_small_peak_rss']:.2f}** | "
+                     f"the driver's whole process, preparing generated data 10x larger than another (each in a fresh "
+                     f"process; {'an index of Parquet footers' if source == 'parquet' else 'tokenized in the driver'}) |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

@@ -89,3 +89,69 @@ def streaming(quick: bool) -> dict:
             "rss_growth_mb": round(last["rss_growth"] / 2**20, 1),
             "rss_growth_vs_budget": last["rss_growth"] / (last["capacity"] * row_group_bytes),
             "dataset_vs_budget": rows * (FEATURES * 4 + 8) / (last["capacity"] * row_group_bytes)}
+
+
+# The driver while it prepares data: its peak RSS for a dataset 10x larger than another, each in a
+# fresh process (the parquet source: an index of footers; the text source tokenized in the driver,
+# file by file, with a tokenizer trained on a bounded sample).
+_PREPARE = """
+import sys
+from training.config import DataConfig
+from training.data.prepare import prepare
+prepare(DataConfig.model_validate_json(sys.argv[1]), sys.argv[2], log=lambda *a, **k: None)
+# this process's own high-water mark (VmHWM: its memory since exec, unlike ru_maxrss, which keeps the
+# forked parent's)
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+"""
+
+
+def _peak_rss_of_prepare(data: dict, cache: Path) -> int:
+    import json
+    import subprocess
+    import sys
+
+    from bench.common import REPO
+
+    result = subprocess.run([sys.executable, "-c", _PREPARE, json.dumps(data), str(cache)], cwd=REPO,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"prepare exited {result.returncode} for {data['source']}: {result.stderr[-2000:]}")
+    return int(result.stdout.split()[-1]) * 1024  # kB
+
+
+def _write_text(folder: Path, files: int, seed: int, lines_per_file: int) -> None:
+    """Text files of Python-like lines (about 40 bytes each)."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["def", "return", "self", "value", "import", "for", "in", "if", "else", "None", "class",
+                      "yield", "lambda", "print", "range", "len", "data", "index", "result", "with"])
+    folder.mkdir(parents=True)
+    for index in range(files):
+        lines = [" ".join(rng.choice(words, 8)) for _ in range(lines_per_file)]
+        (folder / f"doc-{index:04d}.txt").write_text("\n".join(lines) + "\n")
+
+
+def driver_memory(quick: bool) -> dict:
+    """Peak driver RSS preparing a dataset 10x larger than another, per source."""
+    small_files, rows_per_file, lines_per_file = (2, 10_000, 1000) if quick else (4, 100_000, 10_000)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for scale in (1, 10):
+            _write(root / f"parquet-{scale}", small_files * scale * rows_per_file, small_files * scale, scale)
+            _write_text(root / f"text-{scale}", small_files * scale, scale, lines_per_file)
+        for source in ("parquet", "text"):
+            peaks, sizes = {}, {}
+            for scale in (1, 10):
+                folder = root / f"{source}-{scale}"
+                if source == "parquet":
+                    options = {"path": str(folder), "features": "x", "label": "y", "validation_fraction": 0.2}
+                else:
+                    options = {"path": str(folder), "validation_fraction": 0.2, "seq_len": 64, "tokenize_on": "driver",
+                               "tokenizer": {"train": {"vocab_size": 512, "sample_bytes": 1_000_000}}}
+                peaks[scale] = _peak_rss_of_prepare({"source": source, "options": options}, root / f"cache-{source}-{scale}")
+                sizes[scale] = sum(p.stat().st_size for p in folder.iterdir())
+            results[source] = {"small_mb": round(sizes[1] / 2**20, 1), "large_mb": round(sizes[10] / 2**20, 1),
+                               "small_peak_rss_mb": round(peaks[1] / 2**20, 1),
+                               "large_peak_rss_mb": round(peaks[10] / 2**20, 1),
+                               "large_vs_small_peak_rss": peaks[10] / peaks[1]}
+    return results

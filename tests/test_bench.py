@@ -18,8 +18,8 @@ def test_quick_bench_runs_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["rows"]
-    assert {"cold_start", "overhead", "checkpoint", "data_path", "streaming", "recovery", "sweep", "memory",
-            "gpu"} <= set(rows)
+    assert {"cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "recovery", "sweep",
+            "memory", "gpu"} <= set(rows)
     assert 0 < rows["memory"]["fsdp_vs_ddp_ratio"] < 1
     assert set(rows["overhead"]) == {"digits_2w"}  # quick mode: one case
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
@@ -30,6 +30,8 @@ def test_quick_bench_runs_every_row(tmp_path):
     streaming = rows["streaming"]
     assert streaming["loader_rows_per_s"] > 0 and 0.4 < streaming["read_fraction_per_worker"] <= 1
     assert 0 < streaming["row_groups_held_max"] <= streaming["budget_mb"] * 2**20 / (8192 * 264)
+    assert {"parquet", "text"} == set(rows["driver_memory"])
+    assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"] for v in rows["driver_memory"].values())
     assert "overhead_ratio_digits_2w" in results["ratios"] and results["machine"]["cores"] >= 1
     table = (tmp_path / "results.md").read_text()
     assert "| overhead digits_2w |" in table and "quick mode" in table
