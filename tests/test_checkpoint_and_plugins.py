@@ -90,6 +90,21 @@ def test_builtin_models_shapes():
     assert gpt(torch.randint(0, 256, (2, 16))).shape == (2, 16, 256)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_an_untrained_gpt_starts_at_the_loss_of_a_uniform_guess(preset):
+    """The first loss is about ln(vocabulary): the model starts knowing nothing, not sure of wrong tokens."""
+    import math
+
+    torch.manual_seed(0)
+    vocab = 2048
+    gpt = build_model("gpt", {"preset": preset}, {"task": "language_model", "vocab_size": vocab, "seq_len": 32})
+    tokens = torch.randint(0, vocab, (4, 33))
+    with torch.no_grad():
+        logits = gpt(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).item()
+    assert abs(loss - math.log(vocab)) < 0.05 * math.log(vocab)
+
+
 def test_model_plugin_by_import_string():
     model = build_model("plugins.examples:linear", {"scale": 2.0}, DIGITS)
     assert model(torch.randn(4, 64)).shape == (4, 10)

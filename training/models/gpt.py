@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 import torch
@@ -73,6 +74,14 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(options.d_model)
         self.head = nn.Linear(options.d_model, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
+        # GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections into the
+        # residual stream scaled by 1/sqrt(2 * n_layer). (PyTorch's default N(0, 1) embedding, tied
+        # to the head, would start the logits at a standard deviation of about sqrt(d_model): a first
+        # loss of ~86 per token on a 2k vocabulary instead of ln(2048) = 7.6.)
+        self.apply(_init_weights)
+        for block in self.blocks:
+            for projection in (block.proj, block.mlp[2]):
+                nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * options.n_layer))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # the tied head counted once
@@ -91,6 +100,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def build_gpt(spec: dict, options: GPTOptions) -> nn.Module:
