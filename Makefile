@@ -40,8 +40,9 @@ setup: $(STAMP)
 run: setup
 	$(PY) -m training $(CONFIG) $(ARGS)
 
-# Two lanes: every Ray test in order on one worker, the tests without Ray on the other beside it
-# (tests/conftest.py groups them). Ray tests never run two at a time.
+# Two workers: first they share the tests without Ray, then each takes one group of Ray tests and
+# runs it in order, one test at a time: those that start their own Ray, and the quick bench with the
+# tests on the shared cluster (tests/conftest.py groups them). Never more than two Ray tests at once.
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
 

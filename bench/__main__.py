@@ -15,8 +15,8 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "recovery", "sweep", "memory",
-        "gpu")
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenizing", "recovery",
+        "sweep", "memory", "gpu")
 
 
 def main(argv=None) -> int:
@@ -70,6 +70,10 @@ def main(argv=None) -> int:
                 rates = {task: results["rows"].get("overhead", {}).get(f"{task}_2w", {}).get("service_samples_per_s", 0)
                          for task in rows.TASKS}
                 timed("data_path", lambda: rows.data_path(args.quick, rates))
+            if "tokenizing" in wanted:
+                from bench.tokenizing import tokenizing
+
+                timed("tokenizing", lambda: tokenizing(args.quick))
             if "gpu" in wanted:
                 timed("gpu", lambda: rows.gpu(args.quick))
             if "recovery" in wanted:
@@ -106,6 +110,8 @@ def ratios(rows_: dict) -> dict:
         found["streaming_loader_vs_raw_read"] = rows_["streaming"]["loader_vs_raw_read"]
         found["streaming_read_fraction_per_worker"] = rows_["streaming"]["read_fraction_per_worker"]
         found["streaming_rss_growth_vs_budget"] = rows_["streaming"]["rss_growth_vs_budget"]
+    if "tokenizing" in rows_:
+        found["tokenizing_ray_data_vs_one_process"] = rows_["tokenizing"]["ray_data_vs_one_process"]
     for source, value in rows_.get("driver_memory", {}).items():
         found[f"driver_prepare_peak_rss_10x_vs_1x_{source}"] = value["large_vs_small_peak_rss"]
     if "memory" in rows_:

@@ -59,6 +59,13 @@ def markdown(results: dict) -> str:
                      f"{v['rss_growth_vs_budget']:.2f}x its {v['budget_mb']} MB budget | the `parquet` source's loader "
                      f"on {v['dataset_mb']} MB of generated rows ({v['dataset_vs_budget']:.1f}x the budget), one "
                      f"worker's part, vs `ParquetFile.iter_batches` of the same files, interleaved |")
+    if "tokenizing" in r:
+        v = r["tokenizing"]
+        lines.append(f"| tokenizing | Ray Data {v['ray_data_rows_per_s']:.0f} rows/s vs one process "
+                     f"{v['one_process_rows_per_s']:.0f} rows/s | **{v['ray_data_vs_one_process']:.2f}** (spread "
+                     f"{v['ratio_spread'][0]:.2f}-{v['ratio_spread'][1]:.2f}) | the `text` source's Ray Data pipeline on "
+                     f"{v['cluster_cpus']} CPUs vs Hugging Face `tokenizers` in one process, {v['text_mb']} MB of "
+                     f"generated text in {v['files']} files, packed into {v['rows']} rows and written as Parquet |")
     for source, v in r.get("driver_memory", {}).items():
         lines.append(f"| driver memory, {source} | peak RSS {v['large_peak_rss_mb']} MB preparing {v['large_mb']} MB vs "
                      f"{v['small_peak_rss_mb']} MB preparing {v['small_mb']} MB | **{v['large_vs_small_peak_rss']:.2f}** | "

@@ -143,24 +143,35 @@ def _uses_shared_cluster(item) -> bool:
     return "ray_cluster" in getattr(item, "fixturenames", ())
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Modules with a test on the shared cluster run last, in their usual order, so that the shared
-    cluster starts once. Tests keep their order within a module (module fixtures stay shared).
-    The quick bench runs just before them, after the other tests that start their own Ray.
+def _lane(item) -> int:
+    """0: no Ray; 1: a Ray test that starts its own (a private cluster, a `ray start` head, a command
+    that starts Ray); 2: the quick bench's fault and sweep rows (their own Ray, in a subprocess),
+    before 3: the tests on the shared cluster. The bench's other rows are in lane 1: the two groups
+    then take about as long."""
+    if not item.get_closest_marker("ray"):
+        return 0
+    if _uses_shared_cluster(item):
+        return 3
+    return 2 if item.module.__name__ == "test_bench" and "single_run" not in item.name else 1
 
-    Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every Ray test is in one group, run in
-    this order by one worker, one at a time (two Ray clusters at once on 2 cores slow both, and the
-    shared cluster is a worker's own); the tests without Ray run on the other worker beside them,
-    on the CPU that a Ray test leaves idle while it waits on a restart, a node or a sweep."""
-    modules = list(dict.fromkeys(item.module.__name__ for item in items))
-    shared = {item.module.__name__ for item in items if _uses_shared_cluster(item)}
-    rank = {name: (name in shared, name == "test_bench", index) for index, name in enumerate(modules)}
-    items.sort(key=lambda item: rank[item.module.__name__])
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests without Ray first, then the Ray tests that start their own Ray, then the quick bench
+    and the tests on the shared cluster (so that it starts once). Tests keep their order within a
+    module and a lane (module fixtures stay shared).
+
+    Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the Ray tests are in two groups, each
+    run in this order by one worker, one test at a time: those that start their own Ray, and the
+    quick bench with the tests on the shared cluster (a worker's own). Both workers first share the
+    tests without Ray, then take a group each: two Ray tests at a time, never more (on 2 cores the
+    wait-bound ones, waiting on a restart, a node or a sweep, leave a CPU to the other)."""
+    modules = {name: index for index, name in enumerate(dict.fromkeys(item.module.__name__ for item in items))}
+    items.sort(key=lambda item: (_lane(item), modules[item.module.__name__]))
 
 
 def pytest_itemcollected(item):
     if item.get_closest_marker("ray"):  # (marked here, before pytest-xdist reads the marks)
-        item.add_marker(pytest.mark.xdist_group("ray"))
+        item.add_marker(pytest.mark.xdist_group("ray" if _lane(item) >= 2 else "ray-own"))
 
 
 def pytest_runtest_teardown(item, nextitem):
