@@ -19,10 +19,19 @@ from bench.common import median, service_job
 
 
 def train_worker_pids() -> list[int]:
+    """The Ray Train workers of the cluster this process started (its raylet is this process's child,
+    the workers the raylet's): never a worker of another Ray on the machine."""
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = child.cmdline()
+        except psutil.Error:  # gone meanwhile
+            continue
+        if cmdline and cmdline[0].startswith("ray::RayTrainWorker"):
+            found.append(child.pid)
+    return found
 
 
 def _newest_checkpoint(run_dir: Path) -> int:

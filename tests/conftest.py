@@ -218,6 +218,14 @@ def workdir(tmp_path, monkeypatch, empty_mlflow_db):
     return tmp_path
 
 
+def train_worker_pids() -> list[int]:
+    """Ray Train worker processes (Ray names them ray::RayTrainWorker...) of a cluster this test
+    process started: never a worker of another Ray on this machine, such as the other test lane's."""
+    from bench.recovery import train_worker_pids as descendants
+
+    return descendants()
+
+
 def wait_for(condition, timeout_s: float, what: str):
     """Poll condition() until it returns something true (returned), or fail naming what was awaited."""
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import CONFIGS
+from conftest import CONFIGS, train_worker_pids
 from training.checkpoint import format as ckpt
 from training import config as config_lib
 from training.run.driver import run_training
@@ -20,14 +20,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 OVERRIDES = ["train.max_steps=1200", "train.global_batch_size=32", "checkpoint.every_n_steps=100",
              "train.eval_every_n_steps=100", "train.log_every_n_steps=10", "train.min_report_interval_s=0",
              "failure.max_failures=6", "tracking.enabled=false", "checkpoint.keep=1"]
-
-
-def worker_pids():
-    """Ray Train worker processes on this machine (Ray names them ray::RayTrainWorker...)."""
-    import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
 
 
 def final_weights(run_dir):
@@ -48,7 +40,7 @@ def test_killed_workers_resume_to_bit_identical_weights(ray_cluster, workdir):
                 time.sleep(0.2)  # let a first checkpoint exist, then kill at random moments
                 continue
             time.sleep(rng.uniform(0.2, 2.0))
-            pids = worker_pids()
+            pids = train_worker_pids()
             if pids:
                 pid = rng.choice(pids)
                 try:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS
+from conftest import CONFIGS, train_worker_pids
 from training import config as config_lib
 from training.checkpoint import format as ckpt
 from training.errors import UserError
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.ray
 SPARK_TABLE = Path(__file__).resolve().parent / "data" / "spark_digits"  # tests/data/make_spark_digits.py
 
 
-def worker_pids():
-    """Ray Train worker processes on this machine (Ray names them ray::RayTrainWorker...)."""
-    import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
-
-
 def kill_a_worker_after(run_dir, step, kills):
     """SIGKILL one training worker once the run has a complete checkpoint at `step` (mid-epoch)."""
 
@@ -43,7 +35,7 @@ def kill_a_worker_after(run_dir, step, kills):
         while time.monotonic() < deadline and not (run_dir / ckpt.checkpoint_dir_name(step) / ckpt.META_FILE).exists():
             time.sleep(0.1)
         time.sleep(0.5)
-        for pid in worker_pids()[:1]:
+        for pid in train_worker_pids()[:1]:
             os.kill(pid, signal.SIGKILL)
             kills.append(pid)
 
