@@ -187,6 +187,29 @@ class CheckpointConfig(Section):
         return _storage_location(value)
 
 
+class NotifyConfig(Section):
+    # A webhook: https://... or ${VARIABLE} naming one (resolved when the run starts, never stored).
+    url: str
+    # The events to post: finished, failed, preempted, restarted (sweeps: finished, failed).
+    on: list[Literal["finished", "failed", "preempted", "restarted"]] = Field(
+        default_factory=lambda: ["finished", "failed"], min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, value):
+        # YAML 1.1 (PyYAML) reads the key `on` as the boolean true: take it as the key it was written as.
+        if isinstance(value, dict) and True in value and "on" not in value:
+            value = {("on" if key is True else key): child for key, child in value.items()}
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value):
+        from training.observe.notify import check_written
+
+        return check_written(value)
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     # Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the base directory.
@@ -203,6 +226,8 @@ class TrackingConfig(Section):
     # How the final model is logged to MLflow: "pt2" (torch.export: loading runs no code of the
     # model's) or "pickle" (any model, but loading it unpickles, which can run arbitrary code).
     model_format: Literal["pt2", "pickle"] = "pt2"
+    # Webhooks posted when the run (or sweep) ends or its workers restart; a failed post only warns.
+    notify: list[NotifyConfig] = Field(default_factory=list)
 
     @field_validator("tracking_uri", "cluster_config")
     @classmethod
@@ -334,9 +359,26 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     return validate(raw, source)
 
 
+def shown(config: JobConfig) -> dict:
+    """The config as it may be shown and stored: passwords in URIs masked, webhook URLs as written
+    when they reference variables, else masked (training.observe.notify.shown_url)."""
+    from training.observe.notify import shown_url
+
+    dumped = redact_values(config.model_dump(mode="json"))
+    for target in dumped["tracking"]["notify"]:
+        target["url"] = shown_url(target["url"])
+    return dumped
+
+
+def without_notify(raw: dict) -> dict:
+    """A raw (dumped) job config without webhooks, for the processes that never post (the workers, a
+    sweep's trials): a webhook URL then travels to no other process and is stored nowhere."""
+    return set_path(raw, "tracking.notify", []) if raw.get("tracking", {}).get("notify") else raw
+
+
 def to_yaml(config: JobConfig) -> str:
-    """The config as it is shown and stored (config.yaml, MLflow): passwords in URIs masked."""
-    return yaml.safe_dump(redact_values(config.model_dump(mode="json")), sort_keys=False)
+    """The config as it is shown and stored (config.yaml, MLflow): see `shown`."""
+    return yaml.safe_dump(shown(config), sort_keys=False)
 
 
 def flatten(config: JobConfig) -> dict[str, str]:
@@ -350,7 +392,7 @@ def flatten(config: JobConfig) -> dict[str, str]:
         else:
             flat[prefix] = "null" if value is None else str(value)
 
-    walk("", redact_values(config.model_dump(mode="json")))
+    walk("", shown(config))
     return flat
 
 

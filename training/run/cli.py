@@ -1,4 +1,5 @@
-"""`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run.
+"""`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run;
+`python -m training status [RUN]`: how a run in storage is doing (training/observe/status_cli.py).
 
 Exit codes: 0 the run finished; 2 bad input (nothing was started); 1 the run failed.
 """
@@ -18,6 +19,7 @@ examples:
   python -m training training/configs/tinylm.yaml --set train.max_steps=50
   python -m training --name my-run                     # run again with the same name to resume it
   ray job submit --working-dir . -- python -m training training/configs/digits.yaml
+  python -m training status [RUN] [--watch]            # how a run in storage is doing (see status --help)
 
 Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a local one.
 Tracking: tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.
@@ -38,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:  # `python -m training status [RUN]`: how a run in storage is doing
+        from training.observe.status_cli import main as status_main
+
+        return status_main(argv[1:])
     args = parser().parse_args(argv)
     from training import config as config_lib
     from training.errors import UserError, exit_code

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from training import config as config_lib
 from training import storage
 from training.config import JobConfig
-from training.errors import UserError
+from training.errors import RunFailed, UserError
 from training.redaction import redact
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
 from training.run.record import RunRecord
@@ -54,8 +54,11 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     from training.run.resources import maximum_resources
     from training.run.session import check_recorded_cluster, ray_session
 
+    from training.observe import notify
+
     started = time.monotonic()
     timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
+    targets = notify.resolve(job.tracking.notify)  # (a variable not set: exit 2, before anything starts)
     name = job.name or default_run_name(config_path)
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
@@ -86,7 +89,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
             session.enter_context(ray_session(job.model.name, job.data.source))
             manifest = preflight.prepare_checked(job.data, paths, checks, log)
         return _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-                    initial_checkpoint, mlflow_run_id, mlflow_tags)
+                    initial_checkpoint, mlflow_run_id, mlflow_tags, targets)
 
 
 def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
@@ -96,7 +99,7 @@ def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-         initial_checkpoint, mlflow_run_id, mlflow_tags) -> RunSummary:
+         initial_checkpoint, mlflow_run_id, mlflow_tags, targets) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
     from training.run import trainer
@@ -121,19 +124,22 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
                   dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
 
+    watch = RunWatch.start(name, paths, tracker, targets, log)
     try:
         with ray_session(job.model.name, job.data.source):
             import ray
 
             timings["ray_ready"] = time.time()
             workers = worker_resources(job.scaling, ray.cluster_resources(), largest)
-            result = trainer.fit(job, paths, manifest.root, tracker, workers, callbacks=callbacks,
-                                 initial_checkpoint=initial_checkpoint)
+            result = trainer.fit(job, paths, manifest.root, tracker, workers,
+                                 callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
+        watch.end("stopped", "interrupted")
         raise
-    except BaseException:
+    except BaseException as exc:
         tracker.finish("FAILED")
+        watch.end("failed", _error_line(exc))
         raise
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
@@ -149,9 +155,75 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
                          extra={"timings": {**timings, "fit_done": time.time(),
                                             "worker_start": metrics.get("worker_start_time"),
                                             "first_step": metrics.get("first_step_time")}})
-    finalize(job, manifest, result, tracker, summary, log)
+    try:
+        finalize(job, manifest, result, tracker, summary, log)
+    except BaseException as exc:
+        watch.end("failed", _error_line(exc))
+        raise
     tracker.finish("FINISHED")
+    watch.end("finished", metrics=metrics)
     return summary
+
+
+def _error_line(exc: BaseException) -> str:
+    from training.run.trainer import root_cause
+
+    return redact(root_cause(exc) if not isinstance(exc, RunFailed) else str(exc))[:500]
+
+
+class RunWatch:
+    """What the driver does so that a run can be watched: its status.json with a heartbeat, the
+    controller's callbacks (progress.json, restarted/preempted posts), and the finished/failed post."""
+
+    def __init__(self, name, paths: RunPaths, status, events, notifier, log):
+        self.name, self.paths, self.status, self.events, self.notifier, self.log = name, paths, status, events, notifier, log
+
+    @classmethod
+    def start(cls, name: str, paths: RunPaths, tracker, targets, log) -> "RunWatch":
+        from training.observe.callback import RunEvents
+        from training.observe.driver_status import DriverStatus
+        from training.observe.files import read_progress
+        from training.observe.notify import mlflow_run_url
+        from training.observe.webhook import Notifier
+
+        mlflow_url = None
+        if tracker.run_id is not None:
+            try:
+                experiment_id = tracker.client.get_run(tracker.run_id).info.experiment_id
+                mlflow_url = mlflow_run_url(paths.tracking_uri, experiment_id, tracker.run_id)
+            except Exception:  # a link is a nicety: MLflow answered a moment ago, and will be asked again
+                pass
+        earlier = read_progress(paths.run_dir) or {}  # a resumed run counts its restarts on
+        status = DriverStatus(paths.run_dir, name, warn=log).start(
+            mlflow_run_id=tracker.run_id, mlflow_url=mlflow_url, tracking_uri=paths.tracking_uri)
+        notifier = Notifier(targets, warn=log)
+        events = RunEvents(name, paths.run_dir, notifier, restarts=int(earlier.get("restarts") or 0),
+                           preemptions=int(earlier.get("preemptions") or 0), mlflow_run_id=tracker.run_id,
+                           mlflow_url=mlflow_url)
+        return cls(name, paths, status, events, notifier, log)
+
+    def callbacks(self) -> list:
+        from training.observe.callback import event_callbacks
+
+        return event_callbacks(self.events)
+
+    def end(self, state: str, error: Optional[str] = None, metrics: Optional[dict] = None) -> None:
+        """Record the end, then post it (`stopped`, an interrupt, is not posted: the user did it)."""
+        from training.observe.files import read_progress
+        from training.observe.notify import run_message
+
+        self.status.end(state, error)
+        if state not in ("finished", "failed") or not self.notifier.wants(state):
+            return
+        progress = read_progress(self.paths.run_dir) or {}
+        metrics = metrics or progress.get("metrics") or {}
+        step = metrics.get("step", progress.get("step"))
+        total = metrics.get("total_steps", progress.get("total_steps"))
+        body = run_message(state, self.name, step=int(step) if step is not None else None,
+                           total_steps=int(total) if total is not None else None, metrics=metrics,
+                           mlflow_run_id=self.events.mlflow_run_id, mlflow_url=self.events.mlflow_url,
+                           error=error, restarts=int(progress.get("restarts") or 0))
+        self.notifier.notify(state, body)
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,
