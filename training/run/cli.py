@@ -55,10 +55,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("resolved config:\n" + "\n".join("  " + line for line in config_lib.to_yaml(job).splitlines()), flush=True)
     if args.print_config:
+        print(config_lib.to_yaml(job), end="", flush=True)
         return 0
+    from training import storage
+    from training.run.console import RunLog, console_log, opening_line
     from training.run.driver import run_training
+    from training.run.paths import base_dir, default_run_name, resolve_paths
 
-    return exit_code(lambda: run_training(job, config_path=config_path),
-                     interrupted="run the same command with the same --name to resume")
+    job = job.model_copy(update={"name": job.name or default_run_name(config_path)})
+    paths = resolve_paths(job, job.name)
+    # The full resolved config is in --print-config, the run's config.yaml and MLflow's
+    # config/resolved_config.yaml; the console opens with one line.
+    print(opening_line(job.name, config_path, job.scaling.num_workers, paths.run_dir, paths.tracking_uri), flush=True)
+    local = not storage.is_remote(paths.run_dir)
+    log = RunLog(Path(paths.run_dir) / "driver.log" if local else Path(base_dir()) / "logs" / f"{job.name}.log")
+    with console_log(log):
+        code = exit_code(lambda: run_training(job, config_path=config_path, started=log.start),
+                         interrupted="run the same command with the same --name to resume")
+    if log.started:
+        print(f"log: {log.path}", flush=True)
+    return code

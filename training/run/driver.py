@@ -42,21 +42,23 @@ class RunSummary:
 
 def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callable[[str], None] = print, *,
                  callbacks: tuple = (), initial_checkpoint: Optional[str] = None,
-                 mlflow_run_id: Optional[str] = None, mlflow_tags: Optional[dict] = None) -> RunSummary:
+                 mlflow_run_id: Optional[str] = None, mlflow_tags: Optional[dict] = None,
+                 started: Optional[Callable[[], None]] = None) -> RunSummary:
     """Run (or resume) one training run to the end. Raises UserError before anything starts on bad
     input and RunFailed if the run itself fails.
 
     For runs driven by another program (a sweep): `callbacks`, extra Ray Train callbacks;
     `initial_checkpoint`, a checkpoint to start from when the run has none of its own;
     `mlflow_run_id`, an MLflow run to continue when the run has no record yet; `mlflow_tags`,
-    extra tags (`mlflow.parentRunId` nests the run)."""
+    extra tags (`mlflow.parentRunId` nests the run). `started` is called once the checks have
+    passed and the run begins (its log file may be opened then: bad input writes nothing)."""
     from training.run import preflight
     from training.run.resources import maximum_resources
     from training.run.session import check_recorded_cluster, ray_session
 
     from training.observe import notify
 
-    started = time.monotonic()
+    started_s = time.monotonic()
     timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
     targets = notify.resolve(job.tracking.notify)  # (a variable not set: exit 2, before anything starts)
     name = job.name or default_run_name(config_path)
@@ -88,8 +90,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         if on_cluster:
             session.enter_context(ray_session(job.model.name, job.data.source))
             manifest = preflight.prepare_checked(job.data, paths, checks, log)
-        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-                    initial_checkpoint, mlflow_run_id, mlflow_tags, targets)
+        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
+                    initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 
 
 def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
@@ -99,7 +101,7 @@ def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-         initial_checkpoint, mlflow_run_id, mlflow_tags, targets) -> RunSummary:
+         initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
     from training.run import trainer
@@ -108,6 +110,8 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     from training.run.session import ray_session
 
     timings["data_ready"] = time.time()
+    if on_start is not None:
+        on_start()
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()

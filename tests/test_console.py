@@ -1,0 +1,61 @@
+"""The console of `python -m training` without Ray: lines as Ray forwards them (its own prefix and
+colours) routed by the real router through real stdout/stderr swaps, the log file behind them."""
+
+import sys
+import warnings
+
+from training.run.console import ConsoleRouter, Place, RunLog, console_log, opening_line, warning_place
+
+CYAN, RESET = "\x1b[36m", "\x1b[0m"
+
+
+def test_progress_lines_lose_rays_prefix_and_rays_own_actors_go_to_the_log():
+    router = ConsoleRouter()
+    line = "step 300/400 (75%) | loss 0.0428 | 2 workers"
+    for prefixed in (f"{CYAN}(TrainController pid=4242){RESET} {line}", f"(TrainController pid=7, ip=10.0.0.2) {line}",
+                     f"(TrainController.run pid=7) {line}"):
+        routed = router.route(prefixed)
+        assert routed.place is Place.CONSOLE and routed.text == line
+    watcher = f"{CYAN}(PreemptionWatcher pid=99){RESET} WARNING: constructor arguments are large"
+    assert router.route(watcher).place is Place.LOG
+    assert router.route("(PlacementGroupCleaner pid=5) Failed to query Ray Train Controller actor state").place is Place.LOG
+    worker = "(RayTrainWorker pid=12) my plug-in says hello"
+    assert router.route(worker).place is Place.CONSOLE and router.route(worker).text == worker
+    assert router.route("run r1 finished: 400 steps in 53 s").place is Place.CONSOLE
+
+
+def test_warnings_from_inside_ray_and_mlflow_go_to_the_log():
+    assert warning_place("/x/.venv/lib/python3.11/site-packages/mlflow/pytorch/__init__.py") is Place.LOG
+    assert warning_place("/x/.venv/lib/python3.11/site-packages/ray/actor.py") is Place.LOG
+    assert warning_place("/home/me/my_plugins.py") is Place.CONSOLE
+
+
+def test_opening_line_is_one_line_with_what_a_run_needs():
+    line = opening_line("r1", "job.yaml", [1, 4], "s3://b/runs/r1", "http://u:pw@mlflow:5000")
+    assert line == "run r1 | config job.yaml | 1-4 workers | storage s3://b/runs/r1 | MLflow http://u:***@mlflow:5000"
+
+
+def test_the_console_and_the_log_file(tmp_path, capsys):
+    log = RunLog(tmp_path / "r1" / "driver.log")
+    with console_log(log):
+        print("checking the config")  # before the run starts: kept in memory, nothing written
+        assert not (tmp_path / "r1").exists()
+        log.start()
+        print(f"{CYAN}(TrainController pid=4242){RESET} step 10/20 (50%)")
+        print("(PreemptionWatcher pid=99) noise", file=sys.stderr)
+        warnings.warn_explicit("pickle is unsafe", UserWarning, "/v/lib/python3.11/site-packages/mlflow/x.py", 1)
+        sys.stdout.write("partial ")
+        sys.stdout.write("line with password http://u:pw@h/\n")
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["checking the config", "step 10/20 (50%)", "partial line with password http://u:pw@h/"]
+    assert err == ""
+    text = log.path.read_text()
+    assert text.index("checking the config") < text.index("(TrainController pid=4242)") < text.index("noise")
+    assert "pickle is unsafe" in text and "u:***@h" in text and "pw@" not in text
+
+
+def test_a_run_that_never_starts_writes_no_log(tmp_path, capsys):
+    log = RunLog(tmp_path / "r1" / "driver.log")
+    with console_log(log):
+        print("error: bad input", file=sys.stderr)
+    assert not (tmp_path / "r1").exists() and "error: bad input" in capsys.readouterr().err
