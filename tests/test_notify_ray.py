@@ -82,7 +82,7 @@ def test_a_killed_worker_posts_restarted_and_a_second_kill_posts_failed(ray_clus
     with receiver() as hook:
         monkeypatch.setenv("NOTIFY_HOOK", hook.url(f"/hook/{SECRET}"))
         job = config_lib.load(CONFIGS / "digits.yaml", FAST + [
-            "train.max_steps=100000", "failure.max_failures=1", "tracking.enabled=false",
+            "train.max_steps=100000", "failure.max_failures=1", "tracking.enabled=false", "scaling.num_workers=1",
             "tracking.notify=[{url: '${NOTIFY_HOOK}', on: [finished, failed, restarted, preempted]}]"], name="killed")
         run_dir = workdir / "runs" / "killed"
         kills = []
