@@ -22,6 +22,10 @@ def test_progress_lines_lose_rays_prefix_and_rays_own_actors_go_to_the_log():
     worker = "(RayTrainWorker pid=12) my plug-in says hello"
     assert router.route(worker).place is Place.CONSOLE and router.route(worker).text == worker
     assert router.route("run r1 finished: 400 steps in 53 s").place is Place.CONSOLE
+    ray_record = "2026-12-03 07:09:30,458\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled"
+    mlflow_record = "2026/12/03 07:08:58 WARNING mlflow.pytorch: Saving a model as a pickle"
+    assert router.route(ray_record).place is Place.LOG and router.route(mlflow_record).place is Place.LOG
+    assert router.route("2026/12/03 07:08:58 ERROR mlflow.store: cannot write").place is Place.CONSOLE
 
 
 def test_warnings_from_inside_ray_and_mlflow_go_to_the_log():
@@ -52,6 +56,25 @@ def test_the_console_and_the_log_file(tmp_path, capsys):
     text = log.path.read_text()
     assert text.index("checking the config") < text.index("(TrainController pid=4242)") < text.index("noise")
     assert "pickle is unsafe" in text and "u:***@h" in text and "pw@" not in text
+
+
+def test_library_loggers_attached_to_the_console_are_routed_too(tmp_path, capsys):
+    import logging
+
+    logger = logging.getLogger("mlflow.fake_for_test")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y/%m/%d %H:%M:%S"))
+    logger.addHandler(handler)
+    try:
+        log = RunLog(tmp_path / "driver.log")
+        with console_log(log):
+            log.start()
+            logger.warning("a warning about pickles")
+        assert handler.stream is sys.stderr  # put back
+    finally:
+        logger.removeHandler(handler)
+    assert "a warning about pickles" not in capsys.readouterr().err
+    assert "WARNING mlflow.fake_for_test: a warning about pickles" in log.path.read_text()
 
 
 def test_a_run_that_never_starts_writes_no_log(tmp_path, capsys):

@@ -32,6 +32,10 @@ RAY_INTERNAL_SOURCES = ("PreemptionWatcher", "PlacementGroupCleaner", "Synchroni
 THIRD_PARTY_PACKAGES = ("ray", "mlflow", "torch", "pydantic", "google", "opentelemetry")
 # Lines of the driver's own Ray and MLflow logs that say nothing the user can act on.
 NOISE = ("Failed to query Ray Train Controller actor state",)
+# Ray's and MLflow's own log records below ERROR, in their formats ("2026-12-03 07:09:30,458\tWARNING
+# node.py:438 -- ...", "2026/12/03 07:08:58 WARNING mlflow.pytorch: ..."): their internals, in the log file.
+_LIBRARY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?:DEBUG|INFO|WARNING) \S+\.py:\d+ -- "
+                             r"|^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?:DEBUG|INFO|WARNING) mlflow[.:]")
 
 
 class Place(enum.Enum):
@@ -57,7 +61,7 @@ class ConsoleRouter:
             if source in RAY_INTERNAL_SOURCES or any(noise in line for noise in NOISE):
                 return Routed(Place.LOG, line)
             return Routed(Place.CONSOLE, line)  # a worker's own output (a plug-in's print, a traceback)
-        if any(noise in line for noise in NOISE):
+        if any(noise in line for noise in NOISE) or _LIBRARY_RECORD.match(line):
             return Routed(Place.LOG, line)
         return Routed(Place.CONSOLE, line)
 
@@ -171,6 +175,8 @@ def console_log(log: RunLog, router: ConsoleRouter = ConsoleRouter()) -> Iterato
     old_out, old_err, old_show = sys.stdout, sys.stderr, warnings.showwarning
     sys.stdout = _RoutedStream(old_out, log, router)
     sys.stderr = _RoutedStream(old_err, log, router)
+    # Handlers that Ray and MLflow attached to the console when imported hold the old streams.
+    moved = _move_handlers({id(old_out): sys.stdout, id(old_err): sys.stderr})
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = warnings.formatwarning(message, category, filename, lineno, line)
@@ -186,4 +192,21 @@ def console_log(log: RunLog, router: ConsoleRouter = ConsoleRouter()) -> Iterato
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.stdout, sys.stderr, warnings.showwarning = old_out, old_err, old_show
+        for handler, stream in moved:
+            handler.setStream(stream)
         log.close()
+
+
+def _move_handlers(new_stream_for: dict) -> list:
+    """Point every logging StreamHandler on one of the old streams (by id) at its new stream; returns
+    (handler, old stream) to put back. Handlers added later find sys.stdout/sys.stderr as they are."""
+    import logging
+
+    loggers = [logging.getLogger()] + [value for value in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(value, logging.Logger)]
+    moved = []
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in new_stream_for:
+                moved.append((handler, handler.setStream(new_stream_for[id(handler.stream)])))
+    return moved
