@@ -16,6 +16,14 @@ def test_progress_lines_lose_rays_prefix_and_rays_own_actors_go_to_the_log():
                      f"(TrainController.run pid=7) {line}"):
         routed = router.route(prefixed)
         assert routed.place is Place.CONSOLE and routed.text == line
+    # the controller's stderr is Ray Train's own logging (the PreemptionWatcher's constructor warning,
+    # a resource request that timed out), but for this project's warnings
+    ray_train = f"{CYAN}(TrainController pid=4242){RESET} [2026-12-03 07:19:22,244 E 1 2] core_worker.cc:2465: " \
+                "Actor with class name: 'PreemptionWatcher' has constructor arguments in the object store"
+    assert router.route(ray_train, is_err=True).place is Place.LOG
+    own = f"{CYAN}(TrainController pid=4242){RESET} tracking: MLflow at http://h:5000 is unreachable"
+    assert router.route(own, is_err=True) == type(router.route(own))(Place.CONSOLE, "tracking: MLflow at http://h:5000 is unreachable")
+    assert router.route("Successfully registered model 'digits-digits_mlp'.", is_err=True).place is Place.LOG
     watcher = f"{CYAN}(PreemptionWatcher pid=99){RESET} WARNING: constructor arguments are large"
     assert router.route(watcher).place is Place.LOG
     assert router.route("(PlacementGroupCleaner pid=5) Failed to query Ray Train Controller actor state").place is Place.LOG

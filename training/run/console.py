@@ -30,8 +30,12 @@ RAY_INTERNAL_SOURCES = ("PreemptionWatcher", "PlacementGroupCleaner", "Synchroni
                         "_AutoscalingCoordinatorActor", "DatasetManager", "LighthouseServerActor")
 # Warnings from inside these packages are about their internals, not the user's job.
 THIRD_PARTY_PACKAGES = ("ray", "mlflow", "torch", "pydantic", "google", "opentelemetry")
-# Lines of the driver's own Ray and MLflow logs that say nothing the user can act on.
-NOISE = ("Failed to query Ray Train Controller actor state",)
+# Lines of the driver's own Ray and MLflow logs that say nothing the user can act on (the last two:
+# MLflow's registry printing what the run's summary says again).
+NOISE = ("Failed to query Ray Train Controller actor state", "Successfully registered model '", "Created version '")
+# This project's own warnings, which the Train controller writes to its stderr (training/tracking,
+# training/observe): the user's to act on, so shown.
+OWN_WARNINGS = ("tracking: ", "notify: ", "status: ")
 # Ray's and MLflow's own log records below ERROR, in their formats ("2026-12-03 07:09:30,458\tWARNING
 # node.py:438 -- ...", "2026/12/03 07:08:58 WARNING mlflow.pytorch: ..."): their internals, in the log file.
 _LIBRARY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?:DEBUG|INFO|WARNING) \S+\.py:\d+ -- "
@@ -52,12 +56,18 @@ class Routed:
 class ConsoleRouter:
     """Where a line goes, and how it reads there (pure)."""
 
-    def route(self, line: str) -> Routed:
+    def route(self, line: str, is_err: bool = False) -> Routed:
+        """`is_err`: the line came on stderr (Ray forwards a process's stderr to the driver's)."""
         match = _RAY_PREFIX.match(line)
         if match:
             source = match.group("source").split(".")[0].strip()
-            if source == "TrainController":  # this run's progress lines: shown as the run's own
-                return Routed(Place.CONSOLE, line[match.end():])
+            if source == "TrainController":
+                # Its stdout is this run's progress lines (training/tracking/callback.py), shown as the
+                # run's own; its stderr is Ray Train's logging, but for this project's own warnings.
+                text = line[match.end():]
+                if not is_err or text.startswith(OWN_WARNINGS):
+                    return Routed(Place.CONSOLE, text)
+                return Routed(Place.LOG, line)
             if source in RAY_INTERNAL_SOURCES or any(noise in line for noise in NOISE):
                 return Routed(Place.LOG, line)
             return Routed(Place.CONSOLE, line)  # a worker's own output (a plug-in's print, a traceback)
@@ -134,8 +144,8 @@ class RunLog:
 class _RoutedStream(io.TextIOBase):
     """A text stream that sends each complete line where the router says."""
 
-    def __init__(self, console: TextIO, log: RunLog, router: ConsoleRouter):
-        self.console, self.log, self.router = console, log, router
+    def __init__(self, console: TextIO, log: RunLog, router: ConsoleRouter, is_err: bool):
+        self.console, self.log, self.router, self.is_err = console, log, router, is_err
         self._partial = ""
 
     def writable(self) -> bool:
@@ -149,7 +159,7 @@ class _RoutedStream(io.TextIOBase):
         return len(text)
 
     def _emit(self, line: str) -> None:
-        routed = self.router.route(line)
+        routed = self.router.route(line, self.is_err)
         self.log.write(line + "\n")
         if routed.place is Place.CONSOLE:
             self.console.write(routed.text + "\n")
@@ -173,8 +183,8 @@ def console_log(log: RunLog, router: ConsoleRouter = ConsoleRouter()) -> Iterato
     """For the `with` block: stdout and stderr routed (everything also into the run's log), warnings
     raised inside third-party packages into the log only."""
     old_out, old_err, old_show = sys.stdout, sys.stderr, warnings.showwarning
-    sys.stdout = _RoutedStream(old_out, log, router)
-    sys.stderr = _RoutedStream(old_err, log, router)
+    sys.stdout = _RoutedStream(old_out, log, router, is_err=False)
+    sys.stderr = _RoutedStream(old_err, log, router, is_err=True)
     # Handlers that Ray and MLflow attached to the console when imported hold the old streams.
     moved = _move_handlers({id(old_out): sys.stdout, id(old_err): sys.stderr})
 
