@@ -71,6 +71,14 @@ def test_a_good_run_posts_finished_once_and_its_url_is_nowhere(ray_cluster, work
     final = status_of(workdir / "runs", "good")
     assert "run good: finished" in final and "step 60/60" in final and "60 (complete)" in final
     assert f"MLflow run {summary.mlflow_run_id}" in final
+    from mlflow.tracking import MlflowClient  # the step-time breakdown, by step, as any metric
+
+    client = MlflowClient(summary.tracking_uri)
+    for phase in ("data_wait", "forward_backward", "optimizer"):
+        history = client.get_metric_history(summary.mlflow_run_id, f"time_{phase}_ms")
+        assert history and all(m.value >= 0 for m in history) and history[-1].step == 60, phase
+    assert client.get_metric_history(summary.mlflow_run_id, "time_forward_backward_ms")[-1].value > 0
+    assert client.get_metric_history(summary.mlflow_run_id, "checkpoint_blocking_s")
     out, err = capfd.readouterr()
     assert "tracking.notify.1 (127.0.0.1) did not take the finished notification" in out + err
     assert SECRET not in out + err

@@ -73,7 +73,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     preemption: Preemption | None = None
 
     while loop.step < total_steps and not loop.stopped_early:
+        fetch_s = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
+        progress.waited_for_data(time.perf_counter() - fetch_s)
+        compute = progress.mark()
         seed_all(step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
@@ -82,11 +85,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 loss_sum, units, _ = forward_loss(task, train_model, {k: v[part] for k, v in batch.items()})
             (loss_sum * loss_scale).backward()
             progress.add(loss_sum, units)
+        optimize = progress.phase_done("forward_backward", compute)
         if job.optim.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        progress.phase_done("optimizer", optimize)
         loop.step += 1
         progress.step_done()
 

@@ -1,5 +1,6 @@
 """The training metrics a worker reports: the loss and throughput of the window since the last
-report, summed across workers, and when this worker group started. Run on every worker."""
+report, summed across workers, where the step time went (waiting for data, forward and backward,
+the optimizer), and when this worker group started. Run on every worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import torch
 from training.worker.evaluate import sum_across_workers
 
 
+# Where a step's time goes, each summed over a window's steps: the data wait on the host clock (a
+# loader stall is the host's), the rest on the device's (CUDA events, read once per window, after
+# the report's all-reduce has synchronised; on CPU the host clock).
+PHASES = ("data_wait", "forward_backward", "optimizer")
+
+
 @dataclass(frozen=True)
 class WindowTotals:
     """The window's sums over every worker, and rank 0's view of time and of a preemption."""
@@ -20,6 +27,7 @@ class WindowTotals:
     units: float
     elapsed_s: float
     final_save: bool
+    phase_s: tuple = (0.0,) * len(PHASES)  # summed over the window's steps and every worker
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,28 @@ class Progress:
     def next_window(self) -> None:
         self.loss_sum = self.units = self.steps = 0.0
         self.start_s = time.perf_counter()
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self._device_phases: list = []  # (phase, start event, end event), read in reduce
+
+    def waited_for_data(self, seconds: float) -> None:
+        self.phase_s["data_wait"] += seconds
+
+    def mark(self):
+        """A point in the step, for `phase_done`: a CUDA event on a GPU, the host clock otherwise."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def phase_done(self, phase: str, started):
+        """The phase that began at `started` (a mark) ends now; returns the mark of its end."""
+        ended = self.mark()
+        if self.device.type == "cuda":
+            self._device_phases.append((phase, started, ended))
+        else:
+            self.phase_s[phase] += ended - started
+        return ended
 
     def add(self, loss_sum: torch.Tensor, units: float) -> None:
         self.loss_sum += loss_sum.detach()  # a tensor: no device sync per step
@@ -62,9 +92,15 @@ class Progress:
         """A collective. Rank 0's clock and its view of a preemption decide for all: they travel
         in the all-reduce that sums the losses (every other rank adds zero)."""
         elapsed_s = time.perf_counter() - self.start_s if self.rank == 0 else 0.0
-        loss_sum, units, elapsed_s, final_save = sum_across_workers(
-            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted)], self.device)
-        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0)
+        if self._device_phases:
+            self._device_phases[-1][2].synchronize()
+            for phase, started, ended in self._device_phases:
+                self.phase_s[phase] += started.elapsed_time(ended) / 1000.0
+            self._device_phases = []
+        loss_sum, units, elapsed_s, final_save, *phase_s = sum_across_workers(
+            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted),
+             *(self.phase_s[p] for p in PHASES)], self.device)
+        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0, tuple(phase_s))
 
     def metrics(self, step: int, totals: WindowTotals, lr: float) -> dict:
         facts = self.facts
@@ -76,6 +112,8 @@ class Progress:
                    # started and finished its first step (cold start, recovery time)
                    "wall_time": time.time(), "worker_start_time": facts.worker_start_s,
                    "first_step_time": self.first_step_s, "start_step": facts.start_step}
+        for phase, total_s in zip(PHASES, totals.phase_s):  # per step, the mean over the workers
+            metrics[f"time_{phase}_ms"] = 1000.0 * total_s / (max(self.steps, 1) * facts.world_size)
         if facts.seq_len is not None:
             metrics["tokens_per_s"] = samples_per_s * facts.seq_len
             if facts.flops_per_token and facts.peak_flops_per_s:  # model FLOPs utilisation (GPUs in the peak table)
