@@ -86,6 +86,8 @@ BAD_INPUT = [
      "tracking.notify.0.url: the URL htps://h.example/*** must start with https://"),
     (["--set", "tracking.notify=[{url: '${NOTIFY_HOOK_NOT_SET}', on: [failed]}]"],
      "tracking.notify.0.url: the environment variable NOTIFY_HOOK_NOT_SET is not set"),
+    (["--set", "train.profile={steps: [390, 401]}"],
+     "train.profile.steps [390, 401] ends after the run's last step (train.max_steps: 400)"),
     # What the end of a run needs, asked at its start.
     (["--set", "tracking.registered_model_name=team/digits"],
      "tracking.registered_model_name: 'team/digits' contains '/' or ':'"),

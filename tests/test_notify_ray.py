@@ -1,6 +1,6 @@
 """Notifications and status of real runs on the shared local Ray cluster, with a real webhook
 receiver (http.server on loopback): a good run posts `finished` once (and a receiver that is down
-changes nothing), a run whose worker is SIGKILLed posts `restarted` once, and `failed` once when a
+changes nothing; it also logs the step-time breakdown and a profiler trace), a run whose worker is SIGKILLed posts `restarted` once, and `failed` once when a
 second kill exhausts its budget; `status` shows each run running, then finished or failed; the
 webhook URL is in no file, MLflow record or output line."""
 
@@ -44,6 +44,7 @@ def test_a_good_run_posts_finished_once_and_its_url_is_nowhere(ray_cluster, work
         targets = [{"url": "${NOTIFY_HOOK}", "on": ["finished", "failed", "restarted"]}, {"url": down}]
         job = config_lib.load(CONFIGS / "digits.yaml", FAST + [
             "train.max_steps=60", "tracking.register_model=false", "tracking.export_onnx=false",
+            "train.profile={steps: [2, 3]}",
             f"tracking.notify={targets}"], name="good")
         seen = {}
 
@@ -79,6 +80,9 @@ def test_a_good_run_posts_finished_once_and_its_url_is_nowhere(ray_cluster, work
         assert history and all(m.value >= 0 for m in history) and history[-1].step == 60, phase
     assert client.get_metric_history(summary.mlflow_run_id, "time_forward_backward_ms")[-1].value > 0
     assert client.get_metric_history(summary.mlflow_run_id, "checkpoint_blocking_s")
+    # rank 0's profiler trace of steps 2-3, in the run's storage and in MLflow
+    assert (workdir / "runs" / "good" / "profile" / "trace-steps-2-3.json").is_file()
+    assert [a.path for a in client.list_artifacts(summary.mlflow_run_id, "profile")] == ["profile/trace-steps-2-3.json"]
     out, err = capfd.readouterr()
     assert "tracking.notify.1 (127.0.0.1) did not take the finished notification" in out + err
     assert SECRET not in out + err

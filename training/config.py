@@ -85,6 +85,22 @@ class EarlyStoppingConfig(Section):
     min_delta: float = Field(0.0, ge=0)
 
 
+class ProfileConfig(Section):
+    # Steps a..b (counted from 1, both included) traced with torch.profiler on rank 0; the trace
+    # (Chrome trace format) is written to <run dir>/profile/ and logged to MLflow under profile/.
+    steps: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, steps):
+        first, last = steps
+        if last < first:
+            raise ValueError(f"[{first}, {last}]: the first step comes after the last; write [a, b] with a <= b")
+        if last - first >= 1000:
+            raise ValueError(f"[{first}, {last}]: at most 1000 steps are traced (a trace grows with every step)")
+        return steps
+
+
 class TrainConfig(Section):
     # Length of the run: exactly one of max_steps and epochs.
     max_steps: Optional[int] = Field(None, ge=1, le=10 ** 12)
@@ -105,12 +121,24 @@ class TrainConfig(Section):
     torch_threads: Optional[int] = Field(None, ge=1)
     # torch.compile the model (each transformer block, or the whole model); needs a C++ compiler on CPU.
     compile: bool = False
+    # A torch.profiler trace of a few steps on rank 0: {steps: [a, b]}.
+    profile: Optional[ProfileConfig] = None
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of train.max_steps and train.epochs")
+        if self.profile is not None and self.max_steps is not None:
+            check_profile_range(self.profile, self.max_steps, "train.max_steps")
         return self
+
+
+def check_profile_range(profile: ProfileConfig, total_steps: int, what: str) -> None:
+    """The profiled steps lie within the run (ConfigError naming the field otherwise)."""
+    first, last = profile.steps
+    if last > total_steps:
+        raise ConfigError(f"train.profile.steps [{first}, {last}] ends after the run's last step ({what}: "
+                          f"{total_steps}); profile steps within 1..{total_steps}")
 
 
 class ScalingConfig(Section):

@@ -27,6 +27,7 @@ from training.worker import parallel
 from training.worker.evaluate import evaluate, update_early_stopping
 from training.worker.optim import build_optimizer, lr_factor, total_steps_of
 from training.worker.policy import Preemption, StepPolicy
+from training.worker.profile import StepProfiler
 from training.worker.progress import Progress, RunFacts
 from training.worker.seeding import seed_all, step_seed
 
@@ -69,10 +70,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     reporter = CheckpointReporter(job, loop_config["run_dir"], model=model, optimizer=optimizer, scheduler=scheduler,
                                   sharded=sharded, rank=rank, steps_per_epoch=train_data.steps_per_epoch,
                                   world_size=world_size)
+    profiler = StepProfiler(job.train.profile, rank, device, loop_config["run_dir"])
     val_metrics: dict = {}
     preemption: Preemption | None = None
 
     while loop.step < total_steps and not loop.stopped_early:
+        profiler.before_step(loop.step + 1)
         fetch_s = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
         progress.waited_for_data(time.perf_counter() - fetch_s)
@@ -94,6 +97,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         progress.phase_done("optimizer", optimize)
         loop.step += 1
         progress.step_done()
+        profiler.after_step(loop.step)
 
         due = policy.due(loop.step)
         if not due.any:
