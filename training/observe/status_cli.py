@@ -97,17 +97,10 @@ def describe(report: dict) -> list[str]:
     return lines
 
 
-def list_lines(storage_path: str, now_s: float) -> list[str]:
-    names = files.runs_in(storage_path)
-    if not names:
-        return [f"no runs in {redact(storage_path)}"]
-    lines = []
-    for name in names:
-        report = run_report(storage_path, name, now_s)
-        where = f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "") \
-            if report["step"] is not None else "-"
-        lines.append(f"{name:40} {report['state']:9} {where:16} restarts {report['restarts']}")
-    return lines
+def list_line(report: dict) -> str:
+    where = "-" if report["step"] is None else \
+        f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "")
+    return f"{report['name']:40} {report['state']:9} {where:16} restarts {report['restarts']}"
 
 
 def storage_of(value: str) -> str:
@@ -121,7 +114,7 @@ def storage_of(value: str) -> str:
         raise UserError(redact(f"--storage {value}: not reachable: {str(exc).splitlines()[0][:300]}")) from None
     import pyarrow.fs as pafs
 
-    if found.type == pafs.FileType.NotFound and storage.is_remote(path) is False:
+    if found.type == pafs.FileType.NotFound and not storage.is_remote(path):
         raise UserError(f"--storage {value}: {path} does not exist; pass the runs' checkpoint.storage_path")
     return path
 
@@ -130,10 +123,14 @@ def show(args, out: Callable[[str], None], now: Callable[[], float]) -> bool:
     """Print once; True while the run (or, listing, any run) is running."""
     path = storage_of(args.storage)
     if args.run is None:
-        lines = list_lines(path, now())
-        for line in lines:
-            out(line)
-        return any(" running " in line for line in lines)
+        reports = [run_report(path, name, now()) for name in files.runs_in(path)]
+        if args.json:
+            out(json.dumps(reports, indent=2, default=str))
+        for report in [] if args.json else reports:
+            out(list_line(report))
+        if not reports and not args.json:
+            out(f"no runs in {redact(path)}")
+        return any(report["state"] == "running" for report in reports)
     if not storage.exists(storage.join(path, args.run, "run.json")):
         names = files.runs_in(path)
         raise UserError(f"run {args.run!r} is not in {redact(path)}"
