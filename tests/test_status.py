@@ -4,6 +4,7 @@ the real command, locally and on S3 (moto_server on loopback); restart posts to 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -89,8 +90,8 @@ def test_a_failed_run_shows_its_error_and_how_to_resume(tmp_path):
     driver.end("failed", "training run r1 failed: RuntimeError: forward exploded")
     code, text = status("r1", "--storage", str(storage))
     assert "run r1: failed" in text
-    assert "failed: training run r1 failed: RuntimeError: forward exploded; run the same command with the same " \
-           "--name to resume it from step 20" in text
+    assert re.search(r"failed \d+ s ago: training run r1 failed: RuntimeError: forward exploded; run the same "
+                     r"command with the same --name to resume it from step 20", text), text
 
 
 def test_a_driver_that_stopped_without_an_end_leaves_a_resumable_run():

@@ -44,16 +44,26 @@ def decide_state(status: Optional[dict], now_s: float, has_summary: bool,
     heard = status.get("heartbeat") or status.get("updated")
     ago = max(0.0, now_s - float(heard)) if isinstance(heard, (int, float)) else None
     if state == "finished":
-        return RunState("finished", "finished", ago)
+        return RunState("finished", f"finished {_ago(ago)}", ago)
     if state == "failed":
         error = status.get("error") or "no error recorded"
-        return RunState("failed", f"failed: {error}; {resume}", ago)
+        return RunState("failed", f"failed {_ago(ago)}: {error}; {resume}", ago)
     if state == "running":
         limit = stale_after_s(float(status.get("heartbeat_every_s") or 10.0))
         if ago is not None and ago <= limit:
-            return RunState("running", f"running (driver on {status.get('host', '?')}, heard {ago:.0f} s ago)", ago)
-        gone = f"{ago:.0f} s ago" if ago is not None else "at an unknown time"
+            return RunState("running", f"running (driver on {status.get('host', '?')}, heard {_ago(ago)})", ago)
+        gone = _ago(ago)
         return RunState("resumable", f"its driver stopped without ending the run (last heard {gone}); {resume}", ago)
     if state == "stopped":
         return RunState("resumable", f"stopped ({status.get('error') or 'interrupted'}); {resume}", ago)
     return RunState("resumable", f"unknown state {state!r} in status.json; {resume}", ago)
+
+
+def _ago(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "at an unknown time"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
