@@ -129,3 +129,40 @@ def test_a_receiver_that_is_down_costs_a_warning_and_no_exception():
     assert not delivery.delivered and delivery.attempts == 3
     assert "ConnectionRefusedError" in warnings[0] or "Connection refused" in warnings[0]
     assert url not in warnings[0] and SECRET not in warnings[0]
+
+
+def test_a_preemption_notice_on_the_controller_posts_preempted(tmp_path):
+    from training.observe.callback import RunEvents
+
+    with receiver() as hook:
+        events = RunEvents("r1", str(tmp_path / "r1"), Notifier([Target("tracking.notify.0", hook.url(), ("preempted",))]))
+        events.on_report({"step": 12, "total_steps": 50, "val_loss": 0.3}, checkpointed=False)
+        events.on_state("RUNNING", "PREEMPTING")
+        events.on_state("PREEMPTING", "PREEMPTING")  # the controller polls the drain: one notice, one post
+        events.on_state("PREEMPTING", "RESTARTING")  # not subscribed
+        events.on_end()
+        assert hook.events() == ["preempted"]
+        body = hook.posts[0]["body"]
+        assert body["step"] == 12 and body["text"].startswith("run r1 preempted at step 12/50: a node holding a worker")
+    assert events.preemptions == 1 and events.restarts == 1
+
+
+def test_a_sweep_that_fails_posts_failed_with_its_error_line(tmp_path):
+    from training.tracking.tracker import NullTracker
+    from tuning import config as sweep_config
+    from tuning.sweep import SweepSummary, _notify
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {CONFIGS / 'digits.yaml'}\nspace:\n  optim.lr: {{grid: [0.01]}}\n")
+    sweep = sweep_config.load(path, [f"tracking.notify=[{{url: '${{SWEEP_HOOK}}', on: [failed]}}]"], name="s1")
+    with receiver() as hook:
+        (target,) = resolve(sweep.base.tracking.notify, {"SWEEP_HOOK": hook.url(f"/{SECRET}")})
+        lines = []
+        _notify(sweep, SweepSummary("s1", str(tmp_path)), NullTracker(), [target], "failed", lines.append,
+                error="RuntimeError: the cluster went away\n  more lines")
+        _notify(sweep, SweepSummary("s1", str(tmp_path)), NullTracker(), [target], "finished", lines.append)
+        assert hook.events() == ["failed"]  # finished: not subscribed
+        body = hook.posts[0]["body"]
+        assert body["kind"] == "sweep" and body["error"] == "RuntimeError: the cluster went away"
+        assert body["counts"] == {"finished": 0, "stopped": 0, "failed": 0} and body["best"] is None
+    assert lines == []
