@@ -13,7 +13,6 @@ import pytest
 
 from aws import free_port
 from conftest import CONFIGS, wait_for
-from test_chaos_exact_resume import worker_pids
 from training import config as config_lib
 from training.errors import RunFailed
 from training.observe.status_cli import main as status_main
@@ -25,6 +24,25 @@ pytestmark = pytest.mark.ray
 SECRET = "hooks-T0KEN-9f8e7d"
 FAST = ["train.eval_every_n_steps=10", "train.log_every_n_steps=5", "train.min_report_interval_s=0",
         "checkpoint.every_n_steps=10", "scaling.cpus_per_worker=0.5"]
+
+
+def worker_pids():
+    """This test session's Ray Train workers (Ray names them ray::RayTrainWorker...), found by the
+    RAY_TMPDIR they inherited (conftest): never a worker of another Ray on this machine."""
+    import psutil
+
+    marker = f"RAY_TMPDIR={os.environ['RAY_TMPDIR']}".encode()
+    pids = []
+    for process in psutil.process_iter(["cmdline"]):
+        if not (process.info["cmdline"] and process.info["cmdline"][0].startswith("ray::RayTrainWorker")):
+            continue
+        try:
+            variables = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if marker in variables:
+            pids.append(process.pid)
+    return pids
 
 
 def status_of(storage, name):
