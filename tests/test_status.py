@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from conftest import REPO
 from training.checkpoint import format as ckpt

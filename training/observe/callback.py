@@ -11,7 +11,6 @@ never waits on a webhook; at the end it waits a few seconds for posts still in f
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Optional
 
