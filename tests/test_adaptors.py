@@ -17,6 +17,18 @@ def test_ray_train_controller_callback_has_the_hooks_the_tracker_uses():
         assert callable(getattr(base, hook, None)), f"ControllerCallback.{hook} is gone"
 
 
+def test_ray_train_controller_state_names_are_what_run_events_read():
+    """training/observe/callback.py turns state changes into restarted/preempted notifications."""
+    from ray.train.v2._internal.execution.controller import state
+
+    assert callable(getattr(ray_private.controller_callback_base(), "after_controller_state_update", None))
+    assert ray_private.controller_state_name(state.RunningState()) == "RUNNING"
+    assert ray_private.controller_state_name(state.RestartingState(training_failed_error=None)) == "RESTARTING"
+    assert ray_private.controller_state_name(state.ReschedulingState(training_failed_error=None)) == "RESCHEDULING"
+    preempting = state.PreemptingState(preemption_info=None, detected_at_s=0.0)
+    assert ray_private.controller_state_name(preempting) == "PREEMPTING"
+
+
 def test_ray_train_preemption_deadline_default_is_a_positive_number():
     assert ray_private.default_preemption_deadline_s() > 0
 

@@ -79,6 +79,15 @@ BAD_INPUT = [
       "--set", "model.name=plugins.examples:wide_output", "--set", "model.options={}"], "returns logits of shape [2, 4]; the data needs [2, 3] (num_classes 3)"),
     (["--set", "data.source=plugins.examples:blobs", "--set", "data.options={}",
       "--set", "model.name=plugins.examples:fixed_input", "--set", "model.options={}"], "a forward pass on 2 rows shaped like the data ([2, 6]) fails"),
+    # Webhooks: the field named, a literal URL never quoted whole, a variable by its name.
+    (["--set", "tracking.notify=[{url: 'https://h.example/x', on: [finish]}]"],
+     "tracking.notify.0.on.0: must be 'finished', 'failed', 'preempted' or 'restarted'"),
+    (["--set", "tracking.notify=[{url: 'htps://h.example/S3cretPassw0rd'}]"],
+     "tracking.notify.0.url: the URL htps://h.example/*** must start with https://"),
+    (["--set", "tracking.notify=[{url: '${NOTIFY_HOOK_NOT_SET}', on: [failed]}]"],
+     "tracking.notify.0.url: the environment variable NOTIFY_HOOK_NOT_SET is not set"),
+    (["--set", "train.profile={steps: [390, 401]}"],
+     "train.profile.steps [390, 401] ends after the run's last step (train.max_steps: 400)"),
     # What the end of a run needs, asked at its start.
     (["--set", "tracking.registered_model_name=team/digits"],
      "tracking.registered_model_name: 'team/digits' contains '/' or ':'"),

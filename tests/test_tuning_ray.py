@@ -12,6 +12,7 @@ from conftest import REPO, first_exploit
 from tuning import config as sweep_config
 from tuning.resources import orphaned_groups
 from tuning.sweep import run_sweep
+from webhook import receiver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -34,13 +35,24 @@ def children_of(client, parent_run_id):
 
 
 @pytest.mark.timeout(420)
-def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(ray_cluster, workdir):
+def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(ray_cluster, workdir, monkeypatch):
     body = ("space:\n  optim.lr: {grid: [0.03, 0.00001, 0.00001]}\n  train.global_batch_size: {grid: [64, 5000]}\n"
             "scheduler: {name: asha, grace_period_steps: 10, reduction_factor: 2}\nnum_samples: 1\n"
             "max_concurrent_trials: 2\n")
-    sweep = sweep_config.load(write_sweep(workdir, body, ["train.max_steps=40",
-                                                                       "checkpoint.every_n_steps=20"]), name="asha")
-    summary = run_sweep(sweep)
+    # the sweep posts its end once; its trials (runs) post nothing, though the base job names the webhook
+    notify = "'tracking.notify=[{url: \"${SWEEP_HOOK}\", on: [finished, failed, restarted]}]'"
+    sweep = sweep_config.load(write_sweep(workdir, body, ["train.max_steps=40", "checkpoint.every_n_steps=20",
+                                                          notify]), name="asha")
+    with receiver() as hook:
+        monkeypatch.setenv("SWEEP_HOOK", hook.url("/sweep/T0KEN-sweep"))
+        summary = run_sweep(sweep)
+
+    assert hook.events() == ["finished"]
+    posted = hook.posts[0]["body"]
+    assert posted["kind"] == "sweep" and posted["name"] == "asha" and posted["metric"] == "val_accuracy"
+    assert posted["counts"] == {s: sum(r.status == s for r in summary.rows) for s in ("finished", "stopped", "failed")}
+    assert posted["best"]["trial_id"] == summary.best.trial_id and posted["mlflow_run_id"] == summary.parent_run_id
+    assert not [p for p in workdir.rglob("*") if p.is_file() and b"T0KEN-sweep" in p.read_bytes()]
 
     by_status = {s: [r for r in summary.rows if r.status == s] for s in ("finished", "stopped", "failed")}
     assert len(summary.rows) == 6 and summary.concurrency == 2

@@ -85,6 +85,22 @@ class EarlyStoppingConfig(Section):
     min_delta: float = Field(0.0, ge=0)
 
 
+class ProfileConfig(Section):
+    # Steps a..b (counted from 1, both included) traced with torch.profiler on rank 0; the trace
+    # (Chrome trace format) is written to <run dir>/profile/ and logged to MLflow under profile/.
+    steps: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, steps):
+        first, last = steps
+        if last < first:
+            raise ValueError(f"[{first}, {last}]: the first step comes after the last; write [a, b] with a <= b")
+        if last - first >= 1000:
+            raise ValueError(f"[{first}, {last}]: at most 1000 steps are traced (a trace grows with every step)")
+        return steps
+
+
 class TrainConfig(Section):
     # Length of the run: exactly one of max_steps and epochs.
     max_steps: Optional[int] = Field(None, ge=1, le=10 ** 12)
@@ -105,12 +121,24 @@ class TrainConfig(Section):
     torch_threads: Optional[int] = Field(None, ge=1)
     # torch.compile the model (each transformer block, or the whole model); needs a C++ compiler on CPU.
     compile: bool = False
+    # A torch.profiler trace of a few steps on rank 0: {steps: [a, b]}.
+    profile: Optional[ProfileConfig] = None
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of train.max_steps and train.epochs")
+        if self.profile is not None and self.max_steps is not None:
+            check_profile_range(self.profile, self.max_steps, "train.max_steps")
         return self
+
+
+def check_profile_range(profile: ProfileConfig, total_steps: int, what: str) -> None:
+    """The profiled steps lie within the run (ConfigError naming the field otherwise)."""
+    first, last = profile.steps
+    if last > total_steps:
+        raise ConfigError(f"train.profile.steps [{first}, {last}] ends after the run's last step ({what}: "
+                          f"{total_steps}); profile steps within 1..{total_steps}")
 
 
 class ScalingConfig(Section):
@@ -187,6 +215,29 @@ class CheckpointConfig(Section):
         return _storage_location(value)
 
 
+class NotifyConfig(Section):
+    # A webhook: https://... or ${VARIABLE} naming one (resolved when the run starts, never stored).
+    url: str
+    # The events to post: finished, failed, preempted, restarted (sweeps: finished, failed).
+    on: list[Literal["finished", "failed", "preempted", "restarted"]] = Field(
+        default_factory=lambda: ["finished", "failed"], min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, value):
+        # YAML 1.1 (PyYAML) reads the key `on` as the boolean true: take it as the key it was written as.
+        if isinstance(value, dict) and True in value and "on" not in value:
+            value = {("on" if key is True else key): child for key, child in value.items()}
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value):
+        from training.observe.notify import check_written
+
+        return check_written(value)
+
+
 class TrackingConfig(Section):
     enabled: bool = True
     # Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the base directory.
@@ -203,6 +254,8 @@ class TrackingConfig(Section):
     # How the final model is logged to MLflow: "pt2" (torch.export: loading runs no code of the
     # model's) or "pickle" (any model, but loading it unpickles, which can run arbitrary code).
     model_format: Literal["pt2", "pickle"] = "pt2"
+    # Webhooks posted when the run (or sweep) ends or its workers restart; a failed post only warns.
+    notify: list[NotifyConfig] = Field(default_factory=list)
 
     @field_validator("tracking_uri", "cluster_config")
     @classmethod
@@ -334,9 +387,26 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     return validate(raw, source)
 
 
+def shown(config: JobConfig) -> dict:
+    """The config as it may be shown and stored: passwords in URIs masked, webhook URLs as written
+    when they reference variables, else masked (training.observe.notify.shown_url)."""
+    from training.observe.notify import shown_url
+
+    dumped = redact_values(config.model_dump(mode="json"))
+    for target in dumped["tracking"]["notify"]:
+        target["url"] = shown_url(target["url"])
+    return dumped
+
+
+def without_notify(raw: dict) -> dict:
+    """A raw (dumped) job config without webhooks, for the processes that never post (the workers, a
+    sweep's trials): a webhook URL then travels to no other process and is stored nowhere."""
+    return set_path(raw, "tracking.notify", []) if raw.get("tracking", {}).get("notify") else raw
+
+
 def to_yaml(config: JobConfig) -> str:
-    """The config as it is shown and stored (config.yaml, MLflow): passwords in URIs masked."""
-    return yaml.safe_dump(redact_values(config.model_dump(mode="json")), sort_keys=False)
+    """The config as it is shown and stored (config.yaml, MLflow): see `shown`."""
+    return yaml.safe_dump(shown(config), sort_keys=False)
 
 
 def flatten(config: JobConfig) -> dict[str, str]:
@@ -350,7 +420,7 @@ def flatten(config: JobConfig) -> dict[str, str]:
         else:
             flat[prefix] = "null" if value is None else str(value)
 
-    walk("", redact_values(config.model_dump(mode="json")))
+    walk("", shown(config))
     return flat
 
 

@@ -65,7 +65,7 @@ def start_parent(sweep: Sweep, paths, state: Optional[RunRecord]):
     parent = MlflowTracker.start(paths.tracking_uri, sweep.base.tracking.experiment, sweep.name,
                                  state.mlflow_run_id if state else None, tags, params,
                                  artifact_location=artifact_location(paths, sweep.base))
-    text = yaml.safe_dump(redact_values({"sweep": cfg.model_dump(mode="json"), "base": sweep.base.model_dump(mode="json")}),
+    text = yaml.safe_dump(redact_values({"sweep": cfg.model_dump(mode="json"), "base": config_lib.shown(sweep.base)}),
                           sort_keys=False)
     parent.client.log_text(parent.run_id, text, "sweep/resolved_sweep.yaml")
     return parent

@@ -7,6 +7,7 @@ import math
 
 from training import storage
 from tuning.config import Sweep
+from training.config import without_notify
 from training.schema import set_path
 from tuning.space import pbt_mutations, tune_param_space
 
@@ -77,7 +78,8 @@ def _max_steps(sweep: Sweep) -> int:
 
 def absolute_base(sweep: Sweep, paths) -> dict:
     """The base job as trials receive it: storage, data cache and tracking at absolute locations."""
-    raw = sweep.base.model_dump(mode="json")
+    # (trials do not post: the sweep does; no webhook URL goes into Tune's saved state)
+    raw = without_notify(sweep.base.model_dump(mode="json"))
     raw = set_path(raw, "checkpoint.storage_path", paths.storage_path)
     raw = set_path(raw, "data.cache_dir", paths.data_cache)
     if paths.tracking_uri is not None:

@@ -45,9 +45,12 @@ def read_state(sweep: Sweep) -> Optional[RunRecord]:
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
+    from training.observe import notify
     from training.run import preflight
 
     started = time.monotonic()
+    # The base job's webhooks are the sweep's (its trials do not post); a variable not set: exit 2 now.
+    targets = [t for t in notify.resolve(sweep.base.tracking.notify) if set(t.events) & set(notify.SWEEP_EVENTS)]
     state = read_state(sweep)
     if state is not None:
         state.check_resumable(sweep.identity(), "sweep", "the original sweep file")
@@ -71,13 +74,42 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     try:
         grid, summary.released_groups, summary.concurrency, summary.resumed = _tune(sweep, paths, parent.run_id, log)
         report.finish(sweep, paths, manifest, grid, parent, state, summary, log)
-    except BaseException:
+    except BaseException as exc:
         parent.finish("FAILED")
+        if not isinstance(exc, KeyboardInterrupt):
+            _notify(sweep, summary, parent, targets, "failed", log, error=f"{type(exc).__name__}: {exc}")
         raise
     state.write(state_uri)
     summary.wall_s = time.monotonic() - started
     parent.finish("FINISHED")
+    _notify(sweep, summary, parent, targets, "finished", log)
     return summary
+
+
+def _notify(sweep: Sweep, summary: SweepSummary, parent, targets, event: str, log, error: Optional[str] = None) -> None:
+    """Post the sweep's end (trial counts, the best trial, the parent MLflow run) to the webhooks
+    subscribed to it; a webhook that fails only warns."""
+    from training.observe.notify import mlflow_run_url, sweep_message
+    from training.observe.webhook import Notifier
+    from training.redaction import redact
+
+    notifier = Notifier(targets, warn=log)
+    if not notifier.wants(event):
+        return
+    counts = {s: sum(r.status == s for r in summary.rows) for s in ("finished", "stopped", "failed")}
+    best = summary.best
+    url = None
+    if parent.run_id is not None:
+        try:
+            url = mlflow_run_url(parent.tracking_uri, parent.client.get_run(parent.run_id).info.experiment_id,
+                                 parent.run_id)
+        except Exception:
+            pass
+    body = sweep_message(event, sweep.name, counts=counts, metric=sweep.config.metric, mlflow_run_id=parent.run_id,
+                         mlflow_url=url, error=redact(error.splitlines()[0])[:500] if error else None,
+                         best={"trial_id": best.trial_id, "run": best.run, "value": best.last, "steps": best.steps,
+                               "params": {k: str(v) for k, v in best.params.items()}} if best else None)
+    notifier.notify(event, body)
 
 
 def _started(path: str) -> bool:

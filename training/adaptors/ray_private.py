@@ -139,3 +139,9 @@ def result_grid_trials(grid) -> list:
     """The Tune trials behind a `ResultGrid`, in the grid's order: the only view that gives each
     result its trial id."""
     return list(grid._experiment_analysis.trials)
+
+
+def controller_state_name(state) -> str:
+    """The name of a Ray Train controller state (`TrainControllerStateType`: RUNNING, RESTARTING,
+    PREEMPTING, ...) as `ControllerCallback.after_controller_state_update` receives it."""
+    return state._state_type.name

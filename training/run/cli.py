@@ -1,4 +1,5 @@
-"""`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run.
+"""`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run;
+`python -m training status [RUN]`: how a run in storage is doing (training/observe/status_cli.py).
 
 Exit codes: 0 the run finished; 2 bad input (nothing was started); 1 the run failed.
 """
@@ -18,6 +19,7 @@ examples:
   python -m training training/configs/tinylm.yaml --set train.max_steps=50
   python -m training --name my-run                     # run again with the same name to resume it
   ray job submit --working-dir . -- python -m training training/configs/digits.yaml
+  python -m training status [RUN] [--watch]            # how a run in storage is doing (see status --help)
 
 Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a local one.
 Tracking: tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.
@@ -38,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:  # `python -m training status [RUN]`: how a run in storage is doing
+        from training.observe.status_cli import main as status_main
+
+        return status_main(argv[1:])
     args = parser().parse_args(argv)
     from training import config as config_lib
     from training.errors import UserError, exit_code
@@ -48,10 +55,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("resolved config:\n" + "\n".join("  " + line for line in config_lib.to_yaml(job).splitlines()), flush=True)
     if args.print_config:
+        print(config_lib.to_yaml(job), end="", flush=True)
         return 0
+    from training import storage
+    from training.run.console import RunLog, console_log, opening_line
     from training.run.driver import run_training
+    from training.run.paths import base_dir, default_run_name, resolve_paths
 
-    return exit_code(lambda: run_training(job, config_path=config_path),
-                     interrupted="run the same command with the same --name to resume")
+    job = job.model_copy(update={"name": job.name or default_run_name(config_path)})
+    paths = resolve_paths(job, job.name)
+    # The full resolved config is in --print-config, the run's config.yaml and MLflow's
+    # config/resolved_config.yaml; the console opens with one line.
+    print(opening_line(job.name, config_path, job.scaling.num_workers, paths.run_dir, paths.tracking_uri), flush=True)
+    local = not storage.is_remote(paths.run_dir)
+    log = RunLog(Path(paths.run_dir) / "driver.log" if local else Path(base_dir()) / "logs" / f"{job.name}.log")
+    with console_log(log):
+        code = exit_code(lambda: run_training(job, config_path=config_path, started=log.start),
+                         interrupted="run the same command with the same --name to resume")
+    if log.started:
+        print(f"log: {log.path}", flush=True)
+    return code

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from training import config as config_lib
 from training import storage
 from training.config import JobConfig
-from training.errors import UserError
+from training.errors import RunFailed, UserError
 from training.redaction import redact
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
 from training.run.record import RunRecord
@@ -42,20 +42,25 @@ class RunSummary:
 
 def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callable[[str], None] = print, *,
                  callbacks: tuple = (), initial_checkpoint: Optional[str] = None,
-                 mlflow_run_id: Optional[str] = None, mlflow_tags: Optional[dict] = None) -> RunSummary:
+                 mlflow_run_id: Optional[str] = None, mlflow_tags: Optional[dict] = None,
+                 started: Optional[Callable[[], None]] = None) -> RunSummary:
     """Run (or resume) one training run to the end. Raises UserError before anything starts on bad
     input and RunFailed if the run itself fails.
 
     For runs driven by another program (a sweep): `callbacks`, extra Ray Train callbacks;
     `initial_checkpoint`, a checkpoint to start from when the run has none of its own;
     `mlflow_run_id`, an MLflow run to continue when the run has no record yet; `mlflow_tags`,
-    extra tags (`mlflow.parentRunId` nests the run)."""
+    extra tags (`mlflow.parentRunId` nests the run). `started` is called once the checks have
+    passed and the run begins (its log file may be opened then: bad input writes nothing)."""
     from training.run import preflight
     from training.run.resources import maximum_resources
     from training.run.session import check_recorded_cluster, ray_session
 
-    started = time.monotonic()
+    from training.observe import notify
+
+    started_s = time.monotonic()
     timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
+    targets = notify.resolve(job.tracking.notify)  # (a variable not set: exit 2, before anything starts)
     name = job.name or default_run_name(config_path)
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
@@ -85,8 +90,8 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         if on_cluster:
             session.enter_context(ray_session(job.model.name, job.data.source))
             manifest = preflight.prepare_checked(job.data, paths, checks, log)
-        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-                    initial_checkpoint, mlflow_run_id, mlflow_tags)
+        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
+                    initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 
 
 def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
@@ -96,7 +101,7 @@ def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
-         initial_checkpoint, mlflow_run_id, mlflow_tags) -> RunSummary:
+         initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
     from training.run import trainer
@@ -105,6 +110,8 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     from training.run.session import ray_session
 
     timings["data_ready"] = time.time()
+    if on_start is not None:
+        on_start()
     log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     timings["tracking_ready"] = time.time()
@@ -121,19 +128,24 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
                   dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
 
+    from training.observe.run_watch import RunWatch
+
+    watch = RunWatch.start(name, paths, tracker, targets, log)
     try:
         with ray_session(job.model.name, job.data.source):
             import ray
 
             timings["ray_ready"] = time.time()
             workers = worker_resources(job.scaling, ray.cluster_resources(), largest)
-            result = trainer.fit(job, paths, manifest.root, tracker, workers, callbacks=callbacks,
-                                 initial_checkpoint=initial_checkpoint)
+            result = trainer.fit(job, paths, manifest.root, tracker, workers,
+                                 callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
+        watch.end("stopped", "interrupted")
         raise
-    except BaseException:
+    except BaseException as exc:
         tracker.finish("FAILED")
+        watch.end("failed", _error_line(exc))
         raise
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
@@ -149,9 +161,20 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
                          extra={"timings": {**timings, "fit_done": time.time(),
                                             "worker_start": metrics.get("worker_start_time"),
                                             "first_step": metrics.get("first_step_time")}})
-    finalize(job, manifest, result, tracker, summary, log)
+    try:
+        finalize(job, manifest, result, tracker, summary, log)
+    except BaseException as exc:
+        watch.end("failed", _error_line(exc))
+        raise
     tracker.finish("FINISHED")
+    watch.end("finished", metrics=metrics)
     return summary
+
+
+def _error_line(exc: BaseException) -> str:
+    from training.run.trainer import root_cause
+
+    return redact(root_cause(exc) if not isinstance(exc, RunFailed) else str(exc))[:500]
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,

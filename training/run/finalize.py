@@ -159,6 +159,7 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
             log(f"warning: MLflow at {redact(tracker.tracking_uri)} is unreachable: the final model is not logged or "
                 f"registered there; it is in the checkpoint {summary.checkpoint_path}, the summary in {summary_uri}")
         else:
+            log_profile_traces(tracker, summary.run_dir, log)
             try:
                 log_final_artifacts(job, manifest, result, tracker, summary, log)
             except Exception as exc:
@@ -169,6 +170,27 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
         storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
     for line in summary_lines(summary):
         log(line)
+
+
+def log_profile_traces(tracker, run_dir: str, log) -> list[str]:
+    """The torch.profiler traces the run's rank 0 wrote (train.profile) into MLflow, under profile/;
+    a failure only warns (the traces stay in the run's storage)."""
+    from training.worker.profile import PROFILE_DIR
+
+    fs, base = storage.filesystem(storage.join(run_dir, PROFILE_DIR))
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        names = sorted(e.base_name for e in entries if e.type == pafs.FileType.File and e.base_name.endswith(".json"))
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in names:
+                pafs.copy_files(f"{base}/{name}", str(Path(tmp) / name), source_filesystem=fs,
+                                destination_filesystem=pafs.LocalFileSystem())
+                tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / name), PROFILE_DIR)
+    except Exception as exc:
+        log(f"warning: could not log the profile traces in {redact(storage.join(run_dir, PROFILE_DIR))} to MLflow: "
+            f"{type(exc).__name__}: {str(exc)[:200]}")
+        return []
+    return names
 
 
 def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary, log=print) -> None:

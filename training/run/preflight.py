@@ -54,6 +54,7 @@ def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
         check_model_builds(job, task, spec)
         check_metric_names(job, task)
         check_batch_fits(job, rows["train"])
+        check_profile_fits(job, rows["train"])
         check_cluster_config(job.tracking.cluster_config)
         check_storage(paths)
 
@@ -114,6 +115,19 @@ def check_batch_fits(job: JobConfig, train_rows: int) -> None:
         BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_profile_fits(job: JobConfig, train_rows: int) -> None:
+    """A run measured in epochs knows its last step once its data is known: the profiled steps lie
+    within it (a run of max_steps is checked with its config)."""
+    if job.train.profile is None or job.train.epochs is None:
+        return
+    from training.config import check_profile_range
+    from training.data.loader import BatchPlan
+    from training.worker.optim import total_steps_of
+
+    steps = total_steps_of(job, BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows))
+    check_profile_range(job.train.profile, steps, f"train.epochs {job.train.epochs:g} of {train_rows} rows")
 
 
 def check_model_builds(job: JobConfig, task: str, spec: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from training.config import JobConfig
+from training.config import JobConfig, without_notify
 from training.errors import RunFailed
 from training.run.paths import RunPaths
 from training.run.resources import WorkerResources
@@ -38,7 +38,9 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
         logging_config=ray.train.LoggingConfig(log_level="WARNING"))
     seeded = {"initial_checkpoint": initial_checkpoint} if initial_checkpoint else {}
     trainer = TorchTrainer(train_loop_per_worker,
-                           train_loop_config={"job": job.model_dump(mode="json"), "manifest_root": manifest_root,
+                           # (the workers never post: no webhook URL travels to them, nor into a checkpoint)
+                           train_loop_config={"job": without_notify(job.model_dump(mode="json")),
+                                              "manifest_root": manifest_root,
                                               "run_dir": paths.run_dir, **seeded},
                            scaling_config=scaling, run_config=run_config)
     try:

@@ -27,6 +27,7 @@ from training.worker import parallel
 from training.worker.evaluate import evaluate, update_early_stopping
 from training.worker.optim import build_optimizer, lr_factor, total_steps_of
 from training.worker.policy import Preemption, StepPolicy
+from training.worker.profile import StepProfiler
 from training.worker.progress import Progress, RunFacts
 from training.worker.seeding import seed_all, step_seed
 
@@ -69,12 +70,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     reporter = CheckpointReporter(job, loop_config["run_dir"], model=model, optimizer=optimizer, scheduler=scheduler,
                                   sharded=sharded, rank=rank, steps_per_epoch=train_data.steps_per_epoch,
                                   world_size=world_size)
+    profiler = StepProfiler(job.train.profile, rank, device, loop_config["run_dir"])
     val_metrics: dict = {}
     preemption: Preemption | None = None
 
     while loop.step < total_steps and not loop.stopped_early:
+        profiler.before_step(loop.step + 1)
+        fetch_s = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in train_data.batch(loop.step).items()}
         progress.add_samples(loop.step, train_data.sample_ids(loop.step))
+        progress.waited_for_data(time.perf_counter() - fetch_s)
+        compute = progress.mark()
         seed_all(step_seed(job.seed, loop.step, rank), device)  # dropout: a function of the step
         micro_batches = plan.micro_batches(next(iter(batch.values())).shape[0])
         for index, part in enumerate(micro_batches):
@@ -83,13 +89,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 loss_sum, units, _ = forward_loss(task, train_model, {k: v[part] for k, v in batch.items()})
             (loss_sum * loss_scale).backward()
             progress.add(loss_sum, units)
+        optimize = progress.phase_done("forward_backward", compute)
         if job.optim.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        progress.phase_done("optimizer", optimize)
         loop.step += 1
         progress.step_done()
+        profiler.after_step(loop.step)
 
         due = policy.due(loop.step)
         if not due.any:

@@ -1,5 +1,6 @@
 """The training metrics a worker reports: the loss and throughput of the window since the last
-report, summed across workers, and when this worker group started. Run on every worker."""
+report, summed across workers, where the step time went (waiting for data, forward and backward,
+the optimizer), and when this worker group started. Run on every worker."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from training.data.loader import DIGEST_MODULUS, batch_digest
 from training.worker.evaluate import sum_across_workers
 
 
+# Where a step's time goes, each summed over a window's steps: the data wait on the host clock (a
+# loader stall is the host's), the rest on the device's (CUDA events, read once per window, after
+# the report's all-reduce has synchronised; on CPU the host clock).
+PHASES = ("data_wait", "forward_backward", "optimizer")
+
+
 @dataclass(frozen=True)
 class WindowTotals:
     """The window's sums over every worker, and rank 0's view of time and of a preemption."""
@@ -22,6 +29,7 @@ class WindowTotals:
     elapsed_s: float
     final_save: bool
     data_digest: int  # the window's global batches' digest (training.data.loader.batch_digest)
+    phase_s: tuple = (0.0,) * len(PHASES)  # summed over the window's steps and every worker
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,28 @@ class Progress:
         self.loss_sum = self.units = self.steps = 0.0
         self.digest = 0
         self.start_s = time.perf_counter()
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self._device_phases: list = []  # (phase, start event, end event), read in reduce
+
+    def waited_for_data(self, seconds: float) -> None:
+        self.phase_s["data_wait"] += seconds
+
+    def mark(self):
+        """A point in the step, for `phase_done`: a CUDA event on a GPU, the host clock otherwise."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def phase_done(self, phase: str, started):
+        """The phase that began at `started` (a mark) ends now; returns the mark of its end."""
+        ended = self.mark()
+        if self.device.type == "cuda":
+            self._device_phases.append((phase, started, ended))
+        else:
+            self.phase_s[phase] += ended - started
+        return ended
 
     def add_samples(self, step: int, sample_ids) -> None:
         """This worker's part of global batch `step`, by sample id: into the window's data digest."""
@@ -70,12 +100,18 @@ class Progress:
         in the all-reduce that sums the losses (every other rank adds zero). The data digest of the
         steps since the last reduce is handed over: the caller adds it to the run's."""
         elapsed_s = time.perf_counter() - self.start_s if self.rank == 0 else 0.0
-        loss_sum, units, elapsed_s, final_save, digest = sum_across_workers(
-            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted), float(self.digest)], self.device)
+        if self._device_phases:
+            self._device_phases[-1][2].synchronize()
+            for phase, started, ended in self._device_phases:
+                self.phase_s[phase] += started.elapsed_time(ended) / 1000.0
+            self._device_phases = []
+        loss_sum, units, elapsed_s, final_save, digest, *phase_s = sum_across_workers(
+            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted), float(self.digest),
+             *(self.phase_s[p] for p in PHASES)], self.device)
         self.digest = 0  # taken into the run's digest now, even when the window goes on unreported
-        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0, int(digest) % DIGEST_MODULUS)
+        return WindowTotals(loss_sum, units, elapsed_s, final_save > 0, int(digest) % DIGEST_MODULUS, tuple(phase_s))
 
-    def metrics(self, step: int, totals: WindowTotals, lr: float, data_digest: int) -> dict:
+    def metrics(self, step: int, totals: WindowTotals, lr: float, data_digest: Optional[int] = None) -> dict:
         facts = self.facts
         samples_per_s = self.steps * facts.global_batch_size / totals.elapsed_s
         metrics = {"step": step, "epoch": step / facts.steps_per_epoch,
@@ -84,8 +120,11 @@ class Progress:
                    # wall clock (rank 0) for throughput over any span, and when this worker group
                    # started and finished its first step (cold start, recovery time)
                    "wall_time": time.time(), "worker_start_time": facts.worker_start_s,
-                   "first_step_time": self.first_step_s, "start_step": facts.start_step,
-                   "data_digest": data_digest}
+                   "first_step_time": self.first_step_s, "start_step": facts.start_step}
+        if data_digest is not None:
+            metrics["data_digest"] = data_digest
+        for phase, total_s in zip(PHASES, totals.phase_s):  # per step, the mean over the workers
+            metrics[f"time_{phase}_ms"] = 1000.0 * total_s / (max(self.steps, 1) * facts.world_size)
         if facts.seq_len is not None:
             metrics["tokens_per_s"] = samples_per_s * facts.seq_len
             if facts.flops_per_token and facts.peak_flops_per_s:  # model FLOPs utilisation (GPUs in the peak table)

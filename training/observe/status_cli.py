@@ -1,0 +1,167 @@
+"""`python -m training status [RUN] [--storage PATH] [--watch] [--json]`: how a run in storage is
+doing, read from its files alone (no Ray, no MLflow): works from a laptop against s3:// storage.
+
+Exit codes: 0 shown; 2 the storage or the run is not there (the message says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable, Optional
+
+from training import storage
+from training.errors import UserError
+from training.observe import files
+from training.observe.notify import KEY_METRICS
+from training.observe.state import decide_state
+from training.redaction import redact
+
+EPILOG = """\
+examples:
+  python -m training status                          # every run in ./runs, one line each
+  python -m training status my-run                   # one run: state, step, metrics, checkpoints, restarts
+  python -m training status my-run --watch           # refresh every 5 s until the run ends (Ctrl-C stops)
+  python -m training status my-run --storage s3://my-bucket/runs   # from a laptop (AWS credentials as usual)
+
+states: running (its driver's heartbeat is fresh), finished, failed, resumable (stopped without an
+end: the same command with the same --name resumes it).
+exit codes: 0 shown, 2 no such storage or run."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training status", description="Show how a training run is doing.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", nargs="?", help="run name (default: list every run in the storage)")
+    p.add_argument("--storage", default="runs",
+                   help="the runs' storage, checkpoint.storage_path (default: runs, under $TRAINING_BASE_DIR "
+                        "or the working directory); s3://bucket/prefix works from anywhere")
+    p.add_argument("--watch", action="store_true", help="refresh until the run is no longer running")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch (default 5)")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    return p
+
+
+def run_report(storage_path: str, name: str, now_s: float) -> dict:
+    """Everything `status` shows of one run, as JSON values."""
+    run_dir = storage.join(storage_path, name)
+    status = files.read_status(run_dir)
+    progress = files.read_progress(run_dir) or {}
+    record = files.read_json(storage.join(run_dir, "run.json")) or {}
+    summary = files.read_json(storage.join(run_dir, "summary.json"))
+    checkpoints = files.checkpoints(run_dir)
+    newest = next((c["step"] for c in checkpoints if c["complete"]), None)
+    state = decide_state(status, now_s, summary is not None, newest)
+    metrics = dict(progress.get("metrics") or {})
+    step, total = progress.get("step"), progress.get("total_steps")
+    if summary and (step is None or summary.get("steps", 0) >= step):  # the final word, if there is one
+        metrics = {k: v for k, v in (summary.get("metrics") or {}).items() if k in KEY_METRICS} or metrics
+        step = summary.get("steps", step)
+    status = status or {}
+    return {"name": name, "run_dir": redact(run_dir), "state": state.state, "detail": state.detail,
+            "step": step, "total_steps": total, "metrics": metrics,
+            "progress_updated_s_ago": round(now_s - progress["updated"], 1) if progress.get("updated") else None,
+            "restarts": progress.get("restarts", 0), "preemptions": progress.get("preemptions", 0),
+            "attempts": status.get("attempt"), "checkpoints": checkpoints,
+            "mlflow_run_id": status.get("mlflow_run_id") or record.get("mlflow_run_id"),
+            "mlflow_url": status.get("mlflow_url"),
+            "tracking_uri": redact(status.get("tracking_uri") or record.get("tracking_uri") or "") or None}
+
+
+def describe(report: dict) -> list[str]:
+    """The report as the lines a person reads."""
+    lines = [f"run {report['name']}: {report['state']}", f"  {report['detail']}"]
+    if report["step"] is not None:
+        where = f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "")
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in report["metrics"].items() if k in KEY_METRICS)
+        ago = report["progress_updated_s_ago"]
+        lines.append(f"  {where}" + (f" | {shown}" if shown else "") + (f"  (reported {ago:.0f} s ago)" if ago is not None else ""))
+    else:
+        lines.append("  no step reported yet")
+    lines.append(f"  restarts: {report['restarts']} worker-group restart(s), {report['preemptions']} preemption(s)"
+                 + (f"; driver started {report['attempts']} time(s)" if report["attempts"] else ""))
+    checkpoints = report["checkpoints"]
+    if checkpoints:
+        shown = ", ".join(f"{c['step']} ({'complete' if c['complete'] else 'incomplete'})" for c in checkpoints[:6])
+        more = f" and {len(checkpoints) - 6} older" if len(checkpoints) > 6 else ""
+        lines.append(f"  checkpoints (step): {shown}{more}")
+    else:
+        lines.append("  checkpoints: none yet")
+    if report["mlflow_run_id"]:
+        lines.append(f"  MLflow run {report['mlflow_run_id']}"
+                     + (f": {report['mlflow_url']}" if report["mlflow_url"] else
+                        f" at {report['tracking_uri']}" if report["tracking_uri"] else ""))
+    lines.append(f"  storage: {report['run_dir']}")
+    return lines
+
+
+def list_line(report: dict) -> str:
+    where = "-" if report["step"] is None else \
+        f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "")
+    return f"{report['name']:40} {report['state']:9} {where:16} restarts {report['restarts']}"
+
+
+def storage_of(value: str) -> str:
+    from training.run.paths import base_dir
+
+    path = storage.absolute(value, base_dir())
+    try:
+        fs, base = storage.filesystem(path)
+        found = fs.get_file_info(base)
+    except (OSError, ValueError) as exc:
+        raise UserError(redact(f"--storage {value}: not reachable: {str(exc).splitlines()[0][:300]}")) from None
+    import pyarrow.fs as pafs
+
+    if found.type == pafs.FileType.NotFound and not storage.is_remote(path):
+        raise UserError(f"--storage {value}: {path} does not exist; pass the runs' checkpoint.storage_path")
+    return path
+
+
+def show(args, out: Callable[[str], None], now: Callable[[], float]) -> bool:
+    """Print once; True while the run (or, listing, any run) is running."""
+    path = storage_of(args.storage)
+    if args.run is None:
+        reports = [run_report(path, name, now()) for name in files.runs_in(path)]
+        if args.json:
+            out(json.dumps(reports, indent=2, default=str))
+        for report in [] if args.json else reports:
+            out(list_line(report))
+        if not reports and not args.json:
+            out(f"no runs in {redact(path)}")
+        return any(report["state"] == "running" for report in reports)
+    if not storage.exists(storage.join(path, args.run, "run.json")):
+        names = files.runs_in(path)
+        raise UserError(f"run {args.run!r} is not in {redact(path)}"
+                        + (f"; runs there: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else "") if names
+                           else "; no runs there (is --storage right?)"))
+    report = run_report(path, args.run, now())
+    if args.json:
+        out(json.dumps(report, indent=2, default=str))
+    else:
+        for line in describe(report):
+            out(line)
+    return report["state"] == "running"
+
+
+def main(argv: Optional[list[str]] = None, out: Callable[[str], None] = print,
+         now: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> int:
+    args = parser().parse_args(argv)
+    if args.interval <= 0:
+        print("error: --interval must be a positive number of seconds", file=sys.stderr)
+        return 2
+    try:
+        while True:
+            if args.watch and sys.stdout.isatty():
+                out("\033[H\033[J" + time.strftime("%H:%M:%S"))
+            running = show(args, out, now)
+            if not (args.watch and running):
+                return 0
+            sleep(args.interval)
+            out("")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
