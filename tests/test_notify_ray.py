@@ -12,7 +12,7 @@ import time
 import pytest
 
 from aws import free_port
-from conftest import CONFIGS, wait_for
+from conftest import CONFIGS, train_worker_pids, wait_for
 from training import config as config_lib
 from training.errors import RunFailed
 from training.observe.status_cli import main as status_main
@@ -24,25 +24,6 @@ pytestmark = pytest.mark.ray
 SECRET = "hooks-T0KEN-9f8e7d"
 FAST = ["train.eval_every_n_steps=10", "train.log_every_n_steps=5", "train.min_report_interval_s=0",
         "checkpoint.every_n_steps=10", "scaling.cpus_per_worker=0.5"]
-
-
-def worker_pids():
-    """This test session's Ray Train workers (Ray names them ray::RayTrainWorker...), found by the
-    RAY_TMPDIR they inherited (conftest): never a worker of another Ray on this machine."""
-    import psutil
-
-    marker = f"RAY_TMPDIR={os.environ['RAY_TMPDIR']}".encode()
-    pids = []
-    for process in psutil.process_iter(["cmdline"]):
-        if not (process.info["cmdline"] and process.info["cmdline"][0].startswith("ray::RayTrainWorker")):
-            continue
-        try:
-            variables = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if marker in variables:
-            pids.append(process.pid)
-    return pids
 
 
 def status_of(storage, name):
@@ -124,14 +105,14 @@ def test_a_killed_worker_posts_restarted_and_a_second_kill_posts_failed(ray_clus
 
         def chaos():
             try:
-                wait_for(lambda: progress_step() >= 10 and worker_pids(), 180, "a first report")
-                os.kill(worker_pids()[0], signal.SIGKILL)
+                wait_for(lambda: progress_step() >= 10 and train_worker_pids(), 180, "a first report")
+                os.kill(train_worker_pids()[0], signal.SIGKILL)
                 kills.append(1)
                 wait_for(lambda: hook.events() == ["restarted"], 60, "the restarted post")
                 before = progress_step()
-                wait_for(lambda: progress_step() > before and worker_pids(), 180, "a report of the restarted group")
+                wait_for(lambda: progress_step() > before and train_worker_pids(), 180, "a report of the restarted group")
                 kills.append(status_of(workdir / "runs", "killed"))
-                os.kill(worker_pids()[0], signal.SIGKILL)
+                os.kill(train_worker_pids()[0], signal.SIGKILL)
                 kills.append(1)
             except Exception as exc:  # shown by the assertions below
                 kills.append(exc)
