@@ -66,6 +66,8 @@ class LoopState:
     best_metric: Optional[float] = None
     evals_without_improvement: int = 0
     stopped_early: bool = False
+    # failure.mode continue: the replica ledger (training/worker/replicas.py), samples skipped so far
+    replicas: Optional[dict] = None
 
 
 def checkpoint_dir_name(step: int) -> str:
