@@ -15,7 +15,8 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "recovery", "sweep", "memory", "gpu")
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "recovery", "continuous", "sweep", "memory",
+        "gpu")
 
 
 def main(argv=None) -> int:
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
                 timed("gpu", lambda: rows.gpu(args.quick))
             if "recovery" in wanted:
                 timed("recovery", lambda: rows.recovery(args.quick))
+            if "continuous" in wanted:  # failure.mode continue: a worker killed, the survivor goes on
+                from bench.continuous import continuous
+
+                timed("continuous", lambda: continuous(args.quick))
             if "sweep" in wanted:
                 wide = dict(seeds=[0, 1, 2], samples=8, steps=240) if args.wide_sweep and not args.quick else {}
                 timed("sweep", lambda: rows.sweep(args.quick, **wide))
@@ -105,6 +110,9 @@ def ratios(rows_: dict) -> dict:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:
         found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
+    if rows_.get("continuous", {}).get("kill_to_next_step_s_median") is not None:
+        found["continuous_kill_to_survivor_next_step_s"] = rows_["continuous"]["kill_to_next_step_s_median"]
+        found["continuous_val_loss_vs_failure_free_twin"] = rows_["continuous"]["val_loss_chaos_vs_twin"]["ratio_median"]
     if rows_.get("sweep", {}).get("steps_to_target_ratio") is not None:
         found["sweep_asha_vs_random_steps_to_target"] = rows_["sweep"]["steps_to_target_ratio"]
     return found

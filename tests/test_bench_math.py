@@ -53,3 +53,10 @@ def test_paired_ratios_report_median_min_and_max():
     found = paired_ratios([10.0, 9.0, 12.0], [10.0, 10.0, 10.0])
     assert (found["ratio_median"], found["ratio_min"], found["ratio_max"]) == (1.0, 0.9, 1.2)
     assert found["rounds"] == 3
+
+
+def test_continuous_row_reads_kill_to_the_survivors_next_step():
+    from bench.continuous import kill_to_next_step_s
+
+    assert abs(kill_to_next_step_s(100.0, [99_000, 100_600, 101_000]) - 0.6) < 1e-9
+    assert kill_to_next_step_s(100.0, [99_000]) is None

@@ -104,3 +104,11 @@ def test_killed_worker_is_replaced_while_the_survivor_keeps_training(ray_cluster
     kill_to_step_s = lost[0].timestamp / 1000 - seen["killed_at"]
     print(f"kill -> the survivor's next step: {kill_to_step_s:.2f} s")
     assert kill_to_step_s <= 5.0
+
+    # A lost driver or cluster resumes from storage as in restart mode: the same name, a longer run,
+    # continues from the last checkpoint with the ledger's counts, in the same MLflow run.
+    resumed = run_training(config_lib.load(CONFIGS / "digits.yaml", OVERRIDES + ["train.max_steps=340"], name="cont"),
+                           log=print)
+    assert resumed.resumed and resumed.steps == 340
+    assert resumed.metrics["samples_skipped"] == summary.metrics["samples_skipped"]  # no failure since
+    assert len(client.search_runs([client.get_experiment_by_name("digits").experiment_id])) == 1
