@@ -204,6 +204,7 @@ def test_ray_train_report_barrier_is_released_by_a_replica_group_replacement(ray
     waiting = actor.broadcast_from_rank_zero.remote(world_rank=0, world_size=2, data="dir",
                                                     caller_method_name="ray.train.report", collective_seq=1,
                                                     relaxable=True)
+    wait_for(lambda: ray.get(actor.get_counter.remote()) == 1, 60, "rank 0 inside the barrier")
     ready, _ = ray.wait([waiting], timeout=1.0)
     assert not ready  # rank 1 never comes: the survivor waits
     ray.get(actor.reset.remote())
