@@ -82,16 +82,24 @@ def continuous(quick: bool) -> dict:
         finally:
             stop.set()
             killer.join(timeout=5)
-        lost = MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, "replica_lost")
+        client = MlflowClient(summary.tracking_uri)
+        lost = client.get_metric_history(summary.mlflow_run_id, "replica_lost")
+        rejoined = client.get_metric_history(summary.mlflow_run_id, "replica_rejoined")
         per_kill.append({"kill_to_next_step_s": kill_to_next_step_s(kills[0], [m.timestamp for m in lost])
-                         if kills else None, "short_steps": summary.metrics.get("short_steps"),
+                         if kills else None,
+                         # the replacement's start, restore and heal, while the survivor trains alone
+                         "kill_to_rejoin_s": kill_to_next_step_s(kills[0], [m.timestamp for m in rejoined])
+                         if kills else None,
+                         "short_steps": summary.metrics.get("short_steps"),
                          "samples_skipped": summary.metrics.get("samples_skipped"), "wall_s": summary.wall_s})
         return summary.metrics["val_loss"]
 
     twin_losses, chaos_losses = interleaved(twin, chaos, rounds)
     measured = [k["kill_to_next_step_s"] for k in per_kill if k["kill_to_next_step_s"] is not None]
+    rejoins = [k["kill_to_rejoin_s"] for k in per_kill if k["kill_to_rejoin_s"] is not None]
     return {"steps": steps, "rounds": rounds,
             "kill_to_next_step_s_median": median(measured) if measured else None,
             "kill_to_next_step_s_max": max(measured) if measured else None,
+            "kill_to_rejoin_s_median": median(rejoins) if rejoins else None,
             "val_loss_chaos_vs_twin": paired_ratios(chaos_losses, twin_losses),
             "per_kill": per_kill}
