@@ -23,8 +23,7 @@ def test_quick_bench_runs_every_row(tmp_path):
     assert 0 < rows["memory"]["fsdp_vs_ddp_ratio"] < 1
     assert set(rows["overhead"]) == {"digits_2w"}  # quick mode: one case
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
-    assert rows["continuous"]["kill_to_next_step_s_median"] > 0
-    assert rows["continuous"]["val_loss_chaos_vs_twin"]["rounds"] == 1
+    assert "continuous" not in rows  # (quick mode leaves it out unless asked: see bench/__main__.py)
     assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
     assert rows["cold_start"]["command_to_first_step_s"] > 0
     assert rows["checkpoint"]["checkpoint_mb"] > 1 and rows["checkpoint"]["disk_write_mb_per_s"] > 0
