@@ -82,3 +82,22 @@ def free_port() -> int:
 
 def median(values):
     return statistics.median(values)
+
+
+def interleaved(measure_a, measure_b, rounds: int) -> tuple[list[float], list[float]]:
+    """A B A B ...: `rounds` measurements of each side, alternating, so that a drift in the
+    machine's speed (another job starting, a CPU throttling) weighs on both sides alike."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(measure_a())
+        b.append(measure_b())
+    return a, b
+
+
+def paired_ratios(a: list[float], b: list[float]) -> dict:
+    """a[i] / b[i] for each interleaved pair: the median ratio with its min and max (the spread a
+    single ratio of medians hides)."""
+    assert len(a) == len(b) > 0, "one measurement of each side per round"
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"ratio_median": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ratios": ratios, "rounds": len(ratios)}

@@ -77,6 +77,13 @@ def markdown(results: dict) -> str:
                      f"{v['ddp_bytes_per_worker'] / 2**20:.1f} MB | **{v['fsdp_vs_ddp_ratio']:.3f}** (ideal "
                      f"{1 / v['workers']:.3f}) | parameters + AdamW state each worker holds, {v['model']}, "
                      f"{v['workers']} workers (gloo), after one step |")
+    if r.get("continuous"):
+        v = r["continuous"]
+        loss = v["val_loss_chaos_vs_twin"]
+        lines.append(f"| continuous (failure.mode continue) | kill -> a survivor's next step {_f(v['kill_to_next_step_s_median'], 2)} s "
+                     f"(max {_f(v['kill_to_next_step_s_max'], 2)}); the replacement back after {_f(v.get('kill_to_rejoin_s_median'), 1)} s | val_loss vs failure-free twin **{_f(loss['ratio_median'])}** "
+                     f"(min {_f(loss['ratio_min'])}, max {_f(loss['ratio_max'])}) | digits, 2 workers, {v['steps']} steps, "
+                     f"one worker SIGKILLed after the first checkpoint; twin and chaos runs interleaved, {v['rounds']} of each |")
     for name in ("recovery", "sweep", "gpu"):
         v = r.get(name)
         if v and "skipped" in v:

@@ -19,6 +19,7 @@ CONFIGS = REPO / "training" / "configs"
 # (100 with this poll), whatever the run proves. Every Ray a test starts inherits this environment.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers (failure.mode continue)
 sys.path.insert(0, str(REPO / "tests"))  # plug-in examples under tests/plugins
 
 # Every Ray this test session starts (ray.init, `ray start`, ray.cluster_utils.Cluster, and the

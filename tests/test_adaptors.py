@@ -195,3 +195,32 @@ def test_ray_gcs_answers_the_session_name_probe_with_its_session_directory(ray_c
     answer = ray_private.ask_gcs_session_name(ray_cluster.get_runtime_context().gcs_address, timeout_s=10)
     assert answer.answered and answer.session_name == os.path.basename(node.get_session_dir_path())
     assert os.path.isdir(node.get_session_dir_path())
+
+
+def test_ray_train_report_barrier_is_released_by_a_replica_group_replacement(ray_cluster):
+    """failure.mode continue relies on it (README "Continuous training"): a survivor waiting in
+    `ray.train.report`'s barrier for a peer that died is released when the controller replaces
+    the peer's replica group, which resets the barrier; the report then raises
+    SynchronizationBarrierResetError, which `report` catches and skips."""
+    import inspect
+
+    import ray
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import (SynchronizationActor,
+                                                                        SynchronizationBarrierResetError)
+    from ray.train.v2._internal.execution.context import TrainContext
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert "sync_actor.reset.remote()" in inspect.getsource(WorkerGroup._replace_replica_group_impl)
+    assert "SynchronizationBarrierResetError" in inspect.getsource(TrainContext.report)
+    actor = SynchronizationActor.remote()
+    waiting = actor.broadcast_from_rank_zero.remote(world_rank=0, world_size=2, data="dir",
+                                                    caller_method_name="ray.train.report", collective_seq=1,
+                                                    relaxable=True)
+    wait_for(lambda: ray.get(actor.get_counter.remote()) == 1, 60, "rank 0 inside the barrier")
+    ready, _ = ray.wait([waiting], timeout=1.0)
+    assert not ready  # rank 1 never comes: the survivor waits
+    ray.get(actor.reset.remote())
+    with pytest.raises(ray.exceptions.RayTaskError) as caught:
+        ray.get(waiting, timeout=30)
+    assert isinstance(caught.value.cause, SynchronizationBarrierResetError)
+    ray.kill(actor)

@@ -37,3 +37,26 @@ def test_sweep_work_counts_every_trials_steps_until_the_first_hit():
     b = SimpleNamespace(trial_id="b", timeline=[(10, 0.96, 2.0), (20, 0.97, 4.0)])
     assert steps_to_target([a, b], 0.95) == 10 + 10  # a's 10 steps came before b hit the target
     assert steps_to_target([a, b], 0.99) is None
+
+
+def test_interleaved_measurements_alternate_sides():
+    from bench.common import interleaved
+
+    order = []
+    a, b = interleaved(lambda: order.append("a") or 2.0, lambda: order.append("b") or 1.0, rounds=3)
+    assert order == ["a", "b", "a", "b", "a", "b"] and a == [2.0] * 3 and b == [1.0] * 3
+
+
+def test_paired_ratios_report_median_min_and_max():
+    from bench.common import paired_ratios
+
+    found = paired_ratios([10.0, 9.0, 12.0], [10.0, 10.0, 10.0])
+    assert (found["ratio_median"], found["ratio_min"], found["ratio_max"]) == (1.0, 0.9, 1.2)
+    assert found["rounds"] == 3
+
+
+def test_continuous_row_reads_kill_to_the_survivors_next_step():
+    from bench.continuous import kill_to_next_step_s
+
+    assert abs(kill_to_next_step_s(100.0, [99_000, 100_600, 101_000]) - 0.6) < 1e-9
+    assert kill_to_next_step_s(100.0, [99_000]) is None

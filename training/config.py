@@ -191,7 +191,12 @@ class ParallelConfig(Section):
 
 
 class FailureConfig(Section):
-    # Worker or node failures the run survives (restarting from the latest checkpoint).
+    # restart: a dead worker restarts the whole worker group from the latest checkpoint.
+    # continue: every worker is a torchft replica group; the others keep stepping without it, Ray
+    # Train replaces only the lost one, and it takes the live state from a peer (parallel.strategy
+    # ddp, a fixed scaling.num_workers >= 2; see README "Continuous training").
+    mode: Literal["restart", "continue"] = "restart"
+    # Worker or node failures the run survives (each restart, or each replaced worker, counts one).
     max_failures: int = Field(3, ge=-1)
     # Spot preemptions have their own budget; -1 is unlimited.
     max_preemption_failures: int = Field(-1, ge=-1)
@@ -307,7 +312,36 @@ class JobConfig(Section):
         if self.train.global_batch_size < self.scaling.max_workers:
             raise ConfigError(f"train.global_batch_size ({self.train.global_batch_size}) must be at least "
                               f"scaling.num_workers ({self.scaling.max_workers}): every worker needs samples")
+        problems = continue_mode_problems(self)
+        if problems:
+            raise ConfigError("failure.mode: continue " + "; ".join(problems) + ". " + CONTINUE_SUPPORTED)
         return self
+
+
+# What failure.mode continue serves, said whenever a job asks it for something else.
+CONTINUE_SUPPORTED = ("It serves parallel.strategy ddp with a fixed scaling.num_workers of 2 or more and "
+                      "failure.max_failures of 1 or more (or -1); use failure.mode: restart otherwise")
+
+
+def continue_mode_problems(job: "JobConfig") -> list[str]:
+    """Why `failure.mode: continue` cannot serve this job (empty: it can, or the mode is restart)."""
+    if job.failure.mode != "continue":
+        return []
+    problems = []
+    if job.parallel.strategy != "ddp":
+        # torchft's HSDP path (a replica group sharding with FSDP inside) is not wired into the loop.
+        problems.append(f"needs parallel.strategy ddp, not {job.parallel.strategy} (each worker must hold a "
+                        "full replica to heal a peer)")
+    if not isinstance(job.scaling.num_workers, int):
+        # Ray 2.60 replaces one replica group only at a fixed size; a resize restarts every group.
+        problems.append(f"needs a fixed scaling.num_workers, not the elastic range {list(job.scaling.num_workers)}")
+    elif job.scaling.num_workers < 2:
+        problems.append(f"needs scaling.num_workers of 2 or more, not {job.scaling.num_workers} (with one "
+                        "worker there is no peer to keep training or to heal from)")
+    if job.failure.max_failures == 0:
+        problems.append("needs failure.max_failures of 1 or more, or -1 (each replaced worker counts one "
+                        "failure; with 0 the first dead worker ends the run)")
+    return problems
 
 
 # Fields that define what a run computes: resuming a run with any of them changed is refused. A run

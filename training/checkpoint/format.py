@@ -67,6 +67,8 @@ class LoopState:
     evals_without_improvement: int = 0
     stopped_early: bool = False
     data_digest: int = 0  # of the global batches trained on through `step` (training.data.loader.batch_digest)
+    # failure.mode continue: the replica ledger (training/worker/replicas.py), samples skipped so far
+    replicas: Optional[dict] = None
 
 
 def checkpoint_dir_name(step: int) -> str:

@@ -11,12 +11,17 @@ from training import storage
 from training.checkpoint import format as ckpt
 
 
-def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
+def restore_point(loop_config: dict, agree: bool = True) -> ray.train.Checkpoint | None:
     """The checkpoint to continue from, the same on every worker: the newest complete one in the
     run's directory, even if Ray Train has not registered it yet; else the one Ray Train reports;
-    else `initial_checkpoint` (a run seeded from another run's checkpoint); else none."""
+    else `initial_checkpoint` (a run seeded from another run's checkpoint); else none.
+
+    `agree=False` (failure.mode continue): each worker looks for itself, with no collective. A
+    worker that replaces a dead one must not wait at Ray's barrier for peers that are training;
+    and workers that pick different checkpoints need no agreement: torchft's first quorum heals
+    every group from the one at the newest step."""
     choice = None
-    if ray.train.get_context().get_world_rank() == 0:
+    if not agree or ray.train.get_context().get_world_rank() == 0:
         registered = ray.train.get_checkpoint()
         registered_step = ckpt.step_of(registered.path) if registered is not None else None
         fs, run_dir = storage.filesystem(loop_config["run_dir"])
@@ -28,7 +33,9 @@ def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
         elif loop_config.get("initial_checkpoint"):
             choice = ("path", loop_config["initial_checkpoint"])
     # One worker decides (an upload may complete between two workers' looks) and tells the others.
-    kind, uri = ray.train.collective.broadcast_from_rank_zero(choice) or (None, None)
+    if agree:
+        choice = ray.train.collective.broadcast_from_rank_zero(choice)
+    kind, uri = choice or (None, None)
     if kind == "registered":
         return ray.train.get_checkpoint()
     if kind == "path":
@@ -38,15 +45,15 @@ def restore_point(loop_config: dict) -> ray.train.Checkpoint | None:
 
 
 def resume(loop_config: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-           sharded: bool) -> ckpt.LoopState:
+           sharded: bool, agree: bool = True) -> ckpt.LoopState:
     """Load the restore point, if any, into `model`, `optimizer` and `scheduler` (in place);
-    returns the loop state to continue from."""
-    checkpoint = restore_point(loop_config)
+    returns the loop state to continue from. `agree`: see restore_point."""
+    checkpoint = restore_point(loop_config, agree)
     if checkpoint is None:
         return ckpt.LoopState()
     with checkpoint.as_directory() as directory:  # sharded: each worker reads its part, at any world size
         loop = ckpt.restore(directory, model, optimizer, scheduler, sharded=sharded)
     context = ray.train.get_context()
-    if context.get_world_rank() == 0:
+    if context.get_world_rank() == 0 or not agree:
         print(f"resumed from step {loop.step} with {context.get_world_size()} workers ({checkpoint.path})")
     return loop

@@ -229,6 +229,9 @@ def summary_lines(summary) -> list[str]:
              + (" (resumed)" if summary.resumed else ""),
              "  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
              f"  checkpoint: {summary.checkpoint_path}"]
+    if "samples_skipped" in summary.metrics:  # failure.mode continue
+        lines.append(f"  steps taken by fewer than all replica groups: {int(summary.metrics.get('short_steps', 0))}; "
+                     f"samples skipped: {int(summary.metrics['samples_skipped'])}")
     if summary.mlflow_run_id:
         lines.append(f"  MLflow run {summary.mlflow_run_id} at {redact(summary.tracking_uri or '')}")
     if summary.registered_model:

@@ -24,6 +24,9 @@ TRAIN_ENV_DEFAULTS = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     # A preemption notice gives about two minutes: notice it within a second, not five.
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+    # failure.mode continue: torchft's Rust side (the lighthouse actor, each worker's manager) logs
+    # every quorum at info level, several lines a step; read by the processes a local Ray starts.
+    "RUST_LOG": "warn",
 }
 
 # Never shipped to the cluster with local plug-in source (nor, through .gitignore, with a job's

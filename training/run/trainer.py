@@ -37,16 +37,33 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
         callbacks=[*run_callbacks(tracker, tracker.last_step("train_loss")), *callbacks],
         logging_config=ray.train.LoggingConfig(log_level="WARNING"))
     seeded = {"initial_checkpoint": initial_checkpoint} if initial_checkpoint else {}
+    continuous = {"torch_config": continuous_torch_config(workers.use_gpu)} if job.failure.mode == "continue" else {}
     trainer = TorchTrainer(train_loop_per_worker,
                            # (the workers never post: no webhook URL travels to them, nor into a checkpoint)
                            train_loop_config={"job": without_notify(job.model_dump(mode="json")),
                                               "manifest_root": manifest_root,
                                               "run_dir": paths.run_dir, **seeded},
-                           scaling_config=scaling, run_config=run_config)
+                           scaling_config=scaling, run_config=run_config, **continuous)
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as exc:
         raise RunFailed(f"training run {job.name} failed: {root_cause(exc)}") from exc
+
+
+# failure.mode continue: how fast the lighthouse drops a dead replica group from the quorum. Replica
+# groups heartbeat every 100 ms (torchft's default); torchft's default timeout (5 s) would leave the
+# survivors waiting 5 s for a quorum after a kill.
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 500
+
+
+def continuous_torch_config(use_gpu: bool):
+    """Ray Train's torchft backend: a lighthouse actor on the head and one replica group per worker,
+    of which the controller replaces only the failed ones. min_replicas 1: any one group alive keeps
+    training."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS},
+                         backend="nccl" if use_gpu else "gloo")
 
 
 def root_cause(exc: BaseException) -> str:

@@ -19,6 +19,19 @@ from training.tracking.tracker import NullTracker
 _SKIP = {"step", "total_steps"}
 
 
+def replica_history(metrics: dict) -> list[tuple[int, dict, float | None]]:
+    """failure.mode continue: the steps since the last report that fewer than all replica groups
+    took, and the losses and rejoins of groups, as (step, metrics, timestamp_s) to log at their
+    own steps: `replicas` per short step, `replica_lost` / `replica_rejoined` (the replica count)
+    per event, at the time it happened."""
+    rows: list[tuple[int, dict, float | None]] = []
+    for short in metrics.get("replica_steps") or ():
+        rows.append((short["step"], {"replicas": short["replicas"], "samples_used": short["samples_used"]}, None))
+    for event in metrics.get("replica_events") or ():
+        rows.append((event["step"], {event["kind"]: event["replicas"]}, event["time_s"]))
+    return rows
+
+
 def progress_line(metrics: dict, eta_s: float | None) -> str:
     step, total = int(metrics["step"]), int(metrics.get("total_steps", 0))
     parts = [f"step {step}/{total} ({100 * step / max(total, 1):.0f}%)", f"loss {metrics['train_loss']:.4f}"]
@@ -41,7 +54,10 @@ class RunCallback(ray.train.UserCallback):
         self.logged_through_step = logged_through_step
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        latest = metrics[0]  # rank 0's: every metric is already reduced across workers
+        # rank 0's: every metric is already reduced across workers. failure.mode continue: each
+        # worker's window is its own, and a worker that has just replaced another may have trained
+        # nothing in it (no loss): then the first worker that did.
+        latest = next((m for m in metrics if m.get("train_loss") == m.get("train_loss")), metrics[0])
         step = int(latest["step"])
         now = time.monotonic()
         eta = None
@@ -50,6 +66,8 @@ class RunCallback(ray.train.UserCallback):
             eta = seconds_per_step * (int(latest.get("total_steps", step)) - step)
         self._last = (now, step)
         if step > self.logged_through_step:
+            for at_step, values, timestamp_s in replica_history(latest):
+                self.tracker.log_metrics(values, at_step, timestamp_s)
             self.tracker.log_metrics({k: v for k, v in latest.items() if k not in _SKIP}, step)
             self.logged_through_step = step
         if checkpoint is not None:

@@ -66,7 +66,7 @@ class NullTracker:
     tracking_uri: Optional[str] = None
     policy = SendPolicy()
 
-    def log_metrics(self, metrics: dict, step: int) -> None:
+    def log_metrics(self, metrics: dict, step: int, timestamp_s: Optional[float] = None) -> None:
         pass
 
     def on_checkpoint(self) -> None:
@@ -143,11 +143,12 @@ class MlflowTracker:
 
     # --- the sender's side: only catch_up, close and finish wait, each for at most its wait_s -------
 
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        """Queue numeric metrics for the sender thread; returns at once."""
+    def log_metrics(self, metrics: dict, step: int, timestamp_s: Optional[float] = None) -> None:
+        """Queue numeric metrics for the sender thread; returns at once. `timestamp_s`: when they
+        were measured (time.time()), if not now."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = int((time.time() if timestamp_s is None else timestamp_s) * 1000)
         self._sender.queue([Metric(k, float(v), now, int(step)) for k, v in metrics.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)])
 

@@ -90,6 +90,15 @@ class Progress:
         self.loss_sum += loss_sum.detach()  # a tensor: no device sync per step
         self.units += units
 
+    def snapshot(self) -> tuple:
+        """The window's sums now, to `rewind` to if the step that follows is not taken after all
+        (failure.mode continue: a step that did not commit, a sync round)."""
+        loss_sum = self.loss_sum.clone() if isinstance(self.loss_sum, torch.Tensor) else self.loss_sum
+        return loss_sum, self.units  # (a copy: `add` sums into the tensor in place)
+
+    def rewind(self, snapshot: tuple) -> None:
+        self.loss_sum, self.units = snapshot
+
     def step_done(self) -> None:
         self.steps += 1
         if self.first_step_s is None:
@@ -115,7 +124,9 @@ class Progress:
         facts = self.facts
         samples_per_s = self.steps * facts.global_batch_size / totals.elapsed_s
         metrics = {"step": step, "epoch": step / facts.steps_per_epoch,
-                   "train_loss": totals.loss_sum / totals.units, "samples_per_s": samples_per_s,
+                   # (no units: a window of sync rounds only, failure.mode continue)
+                   "train_loss": totals.loss_sum / totals.units if totals.units else float("nan"),
+                   "samples_per_s": samples_per_s,
                    "lr": lr, "world_size": facts.world_size, "total_steps": facts.total_steps,
                    # wall clock (rank 0) for throughput over any span, and when this worker group
                    # started and finished its first step (cold start, recovery time)
