@@ -16,31 +16,14 @@ import time
 from pathlib import Path
 
 from bench.common import interleaved, median, paired_ratios, run_service, service_job
-
-
-def own_train_worker_pids() -> list[int]:
-    """The Ray Train workers of this benchmark's own cluster: the ones that inherited its
-    TRAINING_BASE_DIR (others on this machine may run Ray Train too, and must not be killed)."""
-    import psutil
-
-    marker = f"TRAINING_BASE_DIR={os.environ.get('TRAINING_BASE_DIR', '')}".encode()
-    pids = []
-    for p in psutil.process_iter(["cmdline"]):
-        if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker"):
-            try:
-                with open(f"/proc/{p.pid}/environ", "rb") as environ:
-                    if marker in environ.read().split(b"\0"):
-                        pids.append(p.pid)
-            except OSError:
-                continue
-    return pids
+from bench.recovery import train_worker_pids  # (this cluster's own workers only)
 
 
 def _kill_one_after(run_dir: Path, first_checkpoint: str, kills: list[float], stop: threading.Event) -> None:
     while not (run_dir / first_checkpoint / "meta.json").exists():
         if stop.wait(0.1):
             return
-    pids = sorted(own_train_worker_pids())
+    pids = sorted(train_worker_pids())
     if pids:
         os.kill(pids[0], signal.SIGKILL)
         kills.append(time.time())

@@ -11,7 +11,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS, RAY_TMPDIR, tracked_history, wait_for
+from conftest import CONFIGS, tracked_history, train_worker_pids, wait_for
 from training import config as config_lib
 from training.run.driver import run_training
 
@@ -21,24 +21,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 OVERRIDES = ["failure.mode=continue", "scaling.cpus_per_worker=0.5", "train.max_steps=300",
              "train.global_batch_size=64", "checkpoint.every_n_steps=100", "train.eval_every_n_steps=100",
              "train.log_every_n_steps=10", "train.min_report_interval_s=0", "failure.max_failures=3"]
-
-
-def worker_pids():
-    """This session's Ray Train workers (others on this machine may run Ray Train too): the ones
-    that inherited this session's RAY_TMPDIR (tests/conftest.py)."""
-    import psutil
-
-    marker = f"RAY_TMPDIR={RAY_TMPDIR}".encode()
-    pids = set()
-    for p in psutil.process_iter(["cmdline"]):
-        if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker"):
-            try:
-                environ = open(f"/proc/{p.pid}/environ", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if any(v == marker or v.startswith(marker + b"/") for v in environ):
-                pids.add(p.pid)
-    return pids
 
 
 def test_killed_worker_is_replaced_while_the_survivor_keeps_training(ray_cluster, workdir):
@@ -51,13 +33,13 @@ def test_killed_worker_is_replaced_while_the_survivor_keeps_training(ray_cluster
             # kill once the run is well under way (its first reports are in MLflow)
             wait_for(lambda: any(m.step >= 60 for m in tracked_history(client, "digits", "train_loss", "cont")),
                      240, "the run's reports past step 60")
-            pids = sorted(worker_pids())
+            pids = sorted(train_worker_pids())
             assert len(pids) == 2, pids
             victim, survivor = pids
             os.kill(victim, signal.SIGKILL)
             seen.update(victim=victim, survivor=survivor, killed_at=time.time())
             while not done.is_set():  # every worker process from the kill to the end of the run
-                seen["snapshots"].append(worker_pids())
+                seen["snapshots"].append(set(train_worker_pids()))
                 time.sleep(0.1)
         except BaseException as exc:  # reported by the test, not lost in the thread
             seen["error"] = exc

@@ -152,13 +152,15 @@ def run_message(event: str, name: str, *, step: Optional[int] = None, total_step
     lines = [f"run {name} {event}{where}" + (f": {detail}" if detail else "")]
     if key:
         lines.append(_metric_text(key))
-    if error:
-        lines.append(f"error: {error}")
-    if mlflow_url or mlflow_run_id:
-        lines.append(f"MLflow: {mlflow_url or mlflow_run_id}")
+    lines += _closing_lines(error, mlflow_run_id, mlflow_url)
     return {"text": "\n".join(lines), "kind": "run", "name": name, "event": event, "status": event,
             "step": step, "total_steps": total_steps, "metrics": key, "restarts": restarts,
             "mlflow_run_id": mlflow_run_id, "mlflow_url": mlflow_url, "error": error}
+
+
+def _closing_lines(error: Optional[str], mlflow_run_id: Optional[str], mlflow_url: Optional[str]) -> list[str]:
+    return ([f"error: {error}"] if error else []) + ([f"MLflow: {mlflow_url or mlflow_run_id}"]
+                                                    if mlflow_url or mlflow_run_id else [])
 
 
 def sweep_message(event: str, name: str, *, counts: dict, metric: str, best: Optional[dict] = None,
@@ -169,10 +171,7 @@ def sweep_message(event: str, name: str, *, counts: dict, metric: str, best: Opt
     lines = [f"sweep {name} {event}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("finished", "stopped", "failed"))]
     if best:
         lines.append(f"best trial {best['trial_id']} ({best['run']}): {metric} {best['value']:.4g} at step {best['steps']}")
-    if error:
-        lines.append(f"error: {error}")
-    if mlflow_url or mlflow_run_id:
-        lines.append(f"MLflow: {mlflow_url or mlflow_run_id}")
+    lines += _closing_lines(error, mlflow_run_id, mlflow_url)
     return {"text": "\n".join(lines), "kind": "sweep", "name": name, "event": event, "status": event,
             "counts": counts, "metric": metric, "best": best, "mlflow_run_id": mlflow_run_id,
             "mlflow_url": mlflow_url, "error": error}
