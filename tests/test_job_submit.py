@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ def head(tmp_path_factory):
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError("the Ray head did not start")
             time.sleep(1)
-    yield address, env, port
+    yield address, env, process.pid
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=10)
@@ -91,7 +92,7 @@ def test_job_submit_runs_training_on_the_cluster(head, tmp_path, empty_mlflow_db
 
 SWEEP = """
 base: training/configs/digits.yaml
-set: [train.max_steps=400, train.eval_every_n_steps=200, checkpoint.every_n_steps=200, tracking.experiment=submitted-sweeps]
+set: [train.max_steps=600, train.eval_every_n_steps=300, checkpoint.every_n_steps=300, tracking.experiment=submitted-sweeps]
 space:
   optim.lr: {loguniform: [0.01, 0.05]}
 search: {algorithm: optuna, seed: 0}
@@ -100,6 +101,18 @@ trial:
   driver_cpus: 0.25
   scaling: {num_workers: 1, cpus_per_worker: 1}
 """
+
+
+def monitor_log(head_pid):
+    """The monitor.log of the head started as head_pid (its monitor process says where its logs go)."""
+    import psutil
+
+    for child in psutil.Process(head_pid).children(recursive=True):
+        command = child.cmdline()
+        if any(os.path.basename(part) == "monitor.py" for part in command):
+            (logs_dir,) = [part.split("=", 1)[1] for part in command if part.startswith("--logs-dir=")]
+            return Path(logs_dir) / "monitor.log"
+    raise AssertionError("the head has no autoscaler monitor process")
 
 
 def launcher_config(path):
@@ -122,7 +135,7 @@ def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_p
     """Two trials (suggested by Optuna's TPE) of 1.25 CPUs on a head of 2: one fits now, but the
     launcher config says the cluster grows to 4 CPUs, so both start and the second one's workers
     wait as demand the autoscaler reports (`ray status`), until the first trial gives its CPU back."""
-    address, env, port = head
+    address, env, head_pid = head
     shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     (tmp_path / "sweep.yaml").write_text(SWEEP)
     launcher_config(tmp_path / "launcher.yaml")
@@ -133,17 +146,16 @@ def test_a_submitted_sweep_plans_for_the_autoscalers_largest_cluster(head, tmp_p
          "--runtime-env-json", json.dumps(runtime_env), "--",
          "python", "-m", "tuning", str(tmp_path / "sweep.yaml"), "--name", "submitted"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    demands = []
-    while submit.poll() is None and not demands:
-        status = subprocess.run([f"{BIN}/ray", "status", "--address", f"127.0.0.1:{port}"], env=env,
-                                capture_output=True, text=True, timeout=60).stdout
-        demands = [line for line in status.split("Demands:", 1)[-1].splitlines()
-                   if "{'CPU': 1.0}" in line and "pending placement group" in line]
-        time.sleep(0.5)  # (the second trial waits only while the first trains: a window of seconds)
     output, _ = submit.communicate(timeout=600)
     (tmp_path / "job-output.txt").write_text(output)  # for a look when something below fails
     assert submit.returncode == 0, output[-4000:]
-    assert demands, "the second trial's workers never showed as demand in `ray status`"
+    # What `ray status` prints is the autoscaler's report, made every 5 s and logged each time to the
+    # head's monitor.log: read there after the sweep, it cannot be missed between two polls of the
+    # CLI (on a loaded machine one `ray status` took longer than the second trial waited).
+    reports = monitor_log(head_pid).read_text().split("Autoscaler status:")
+    demands = [line for report in reports for line in report.split("Demands:", 1)[-1].splitlines()
+               if "{'CPU': 1.0}" in line and "pending placement group" in line]
+    assert demands, "the second trial's workers never showed as demand in the autoscaler's reports"
     assert "its autoscaler may grow it to CPU 4" in output and "up to 2 trial(s) at once" in output
 
     from mlflow.tracking import MlflowClient
