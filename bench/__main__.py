@@ -16,7 +16,7 @@ from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenizing", "recovery",
-        "continuous", "sweep", "memory", "gpu")
+        "continuous", "sweep", "memory", "gpu", "system_metrics")
 
 
 def main(argv=None) -> int:
@@ -75,6 +75,10 @@ def main(argv=None) -> int:
                 rates = {task: results["rows"].get("overhead", {}).get(f"{task}_2w", {}).get("service_samples_per_s", 0)
                          for task in rows.TASKS}
                 timed("data_path", lambda: rows.data_path(args.quick, rates))
+            if "system_metrics" in wanted:  # quick: the sampler's own cost only, no Ray
+                from bench.system_metrics import system_metrics
+
+                timed("system_metrics", lambda: system_metrics(args.quick))
             if "tokenizing" in wanted:
                 from bench.tokenizing import tokenizing
 
@@ -119,6 +123,11 @@ def ratios(rows_: dict) -> dict:
         found["streaming_loader_vs_raw_read"] = rows_["streaming"]["loader_vs_raw_read"]
         found["streaming_read_fraction_per_worker"] = rows_["streaming"]["read_fraction_per_worker"]
         found["streaming_rss_growth_vs_budget"] = rows_["streaming"]["rss_growth_vs_budget"]
+    if "system_metrics" in rows_:
+        v = rows_["system_metrics"]
+        found["system_metrics_core_share_at_default_interval"] = v["core_share_at_default_interval"]
+        if "throughput" in v:
+            found["system_metrics_sampled_every_1s_vs_off"] = v["throughput"]["ratio_median"]
     if "tokenizing" in rows_:
         found["tokenizing_ray_data_vs_one_process"] = rows_["tokenizing"]["ray_data_vs_one_process"]
     for source, value in rows_.get("driver_memory", {}).items():

@@ -104,9 +104,10 @@ def recovery(quick: bool) -> dict:
 
     # A full run trains ~2.5 minutes, so two failures land; its failure-free twin runs a sixth of
     # the steps, and the rest is added at that run's own steady rate. Quick: the kill comes 1 s after
-    # the first checkpoint (step 200), well before the end (with 5 s it came at the last step once).
-    interval_s, steps, max_kills, every = (1.0, 600, 1, 200) if quick else (60.0, 24000, 100, 500)
-    clean_steps = steps if quick else steps // 6
+    # the first checkpoint (step 100), well before the end (with 5 s it came at the last step once),
+    # and the failure-free twin runs a quarter of the steps (the same extrapolation as a full run).
+    interval_s, steps, max_kills, every = (1.0, 400, 1, 100) if quick else (60.0, 24000, 100, 500)
+    clean_steps = steps // 4 if quick else steps // 6
     overrides = [f"train.eval_every_n_steps={steps // 10}", f"checkpoint.every_n_steps={every}",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",

@@ -19,6 +19,12 @@ def _took(results: dict) -> str:
     return f" The run took {results['elapsed_s'] / 60:.0f} min{f' ({rows} min)' if rows else ''}."
 
 
+def median_of(values: list) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
 def markdown(results: dict) -> str:
     m, r = results["machine"], results["rows"]
     lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
@@ -66,6 +72,17 @@ def markdown(results: dict) -> str:
                      f"{v['ratio_spread'][0]:.2f}-{v['ratio_spread'][1]:.2f}) | the `text` source's Ray Data pipeline on "
                      f"{v['cluster_cpus']} CPUs vs Hugging Face `tokenizers` in one process, {v['text_mb']} MB of "
                      f"generated text in {v['files']} files, packed into {v['rows']} rows and written as Parquet |")
+    if "system_metrics" in r:
+        v = r["system_metrics"]
+        pair = v.get("throughput")
+        measured = (f"digits 2 workers {median_of(v['sampled_samples_per_s']):.0f} vs {median_of(v['unsampled_samples_per_s']):.0f} "
+                    f"samples/s; " if pair else "") + f"one sample {1000 * v['sample_cpu_s']:.2f} ms CPU"
+        ratio = (f"**{pair['ratio_median']:.3f}** (spread {pair['ratio_min']:.3f}-{pair['ratio_max']:.3f}); " if pair else "")
+        how = (f"throughput with a sample every {v['sampled_interval_s']:.0f} s on each node vs sampling off, "
+               f"interleaved, {pair['rounds']} rounds (first {v['warmup_steps']} of {v['steps']} steps excluded); "
+               if pair else "") + "one sample's CPU time (MLflow's monitors, throughput, RSS) over the interval"
+        lines.append(f"| system metrics | {measured} | {ratio}{100 * v['core_share_at_default_interval']:.3f}% of a core "
+                     f"at the default {v['default_interval_s']:.0f} s | {how} |")
     for source, v in r.get("driver_memory", {}).items():
         lines.append(f"| driver memory, {source} | peak RSS {v['large_peak_rss_mb']} MB preparing {v['large_mb']} MB vs "
                      f"{v['small_peak_rss_mb']} MB preparing {v['small_mb']} MB | **{v['large_vs_small_peak_rss']:.2f}** | "

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # Two runs of the harness, one per Ray test lane (tests/conftest.py): every row is in one of them,
 # but the continuous row, whose path tests/test_chaos_continue.py runs (quick mode leaves it out
 # unless asked for: bench/__main__.py).
-ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,overhead,checkpoint,data_path,tokenizing,gpu",
+ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,overhead,checkpoint,data_path,tokenizing,gpu,system_metrics",
             "faults_and_sweeps": "recovery,sweep"}
 LEFT_TO_ITS_OWN_TEST = ["continuous"]
 
@@ -51,6 +51,9 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"] for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]
     assert tokenizing["rows"] > 0 and tokenizing["ray_data_vs_one_process"] > 0
+    system = rows["system_metrics"]
+    assert 0 < system["sample_cpu_s"] < 1 and "throughput" not in system  # quick: the sampler's cost only
+    assert "| system metrics |" in table and "system_metrics_core_share_at_default_interval" in results["ratios"]
     assert "overhead_ratio_digits_2w" in results["ratios"] and results["machine"]["cores"] >= 1
     assert "| overhead digits_2w |" in table and "quick mode" in table
 

@@ -190,3 +190,27 @@ def test_cluster_imports_neither_training_nor_tuning():
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("path", [CLUSTER_YAML, ONPREM_YAML], ids=["cluster.yaml", "onprem.yaml"])
+def test_every_node_installs_what_pyproject_lists(path):
+    """`ray job submit` runs `python -m training` on the head and the workers import the project
+    there: each node needs every dependency pyproject.toml names, with the same version bounds
+    (torch pinned, in the command before), and MLflow's login and NVML besides."""
+    import shlex
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    wanted = {Requirement(r).name: Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    commands = yaml.safe_load(path.read_text())["setup_commands"]
+    installed = {}
+    for command in commands:
+        words = shlex.split(command)
+        if len(words) > 2 and words[0].endswith("pip") and words[1] == "install":
+            installed.update({Requirement(w).name: Requirement(w) for w in words[2:] if not w.startswith("-")})
+    assert set(wanted) <= set(installed), sorted(set(wanted) - set(installed))
+    for name, requirement in wanted.items():
+        assert installed[name].specifier == requirement.specifier or str(installed[name].specifier).startswith("=="), name
+        assert requirement.extras <= installed[name].extras, name
+    assert "auth" in installed["mlflow"].extras and "nvidia-ml-py" in installed

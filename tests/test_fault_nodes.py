@@ -96,6 +96,27 @@ def loss_history(workdir, name):
 
 
 
+def assert_system_metrics_from_both_nodes(workdir, run):
+    """Each node's series under its own prefix, as MLflow's System metrics tab groups them: the
+    node's, and the memory of the worker it ran."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from training.observe.system import node_label
+
+    nodes = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}
+    assert nodes == {node_label(n["NodeID"]) for n in ray.nodes() if n["Alive"]}, run.data.metrics.keys()
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    for node in nodes:
+        for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes", "disk_usage_percentage",
+                     "network_receive_megabytes_per_s"):
+            history = client.get_metric_history(run.info.run_id, f"system/{node}/{name}")
+            assert len(history) >= 3 and all(m.value >= 0 for m in history), (node, name)
+        (rss,) = [key for key in run.data.metrics if key.startswith(f"system/{node}/worker_")]
+        assert rss.endswith("_rss_megabytes")  # one worker per node
+        assert all(100 < m.value < 20_000 for m in client.get_metric_history(run.info.run_id, rss))  # MB
+
+
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     ensure_two_nodes(cluster)
     # 1600 steps: the group regrows at about step 400-1000 (20 steps/s, restarts of 20-40 s), with
@@ -103,8 +124,11 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     steps = ["train.max_steps=1600", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200"]
     # (the reference reports every 50 steps, not 10: it trains faster, and the curves are compared at
     # the steps both logged)
+    # (and system metrics every second, from both nodes)
     fixed = run_training(config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
-        "scaling.num_workers=2", "train.log_every_n_steps=50"], name="fixed"), log=print)
+        "scaling.num_workers=2", "train.log_every_n_steps=50", "tracking.system_metrics_interval_s=1"],
+        name="fixed"), log=print)
+    assert_system_metrics_from_both_nodes(workdir, loss_history(workdir, "fixed")[1])  # (the nodes of now)
     job = config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
         "scaling.num_workers=[1,2]", "scaling.resize_check_interval_s=2", "failure.max_failures=3"], name="elastic")
     run_dir = workdir / "runs" / "elastic"

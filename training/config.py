@@ -261,6 +261,9 @@ class TrackingConfig(Section):
     model_format: Literal["pt2", "pickle"] = "pt2"
     # Webhooks posted when the run (or sweep) ends or its workers restart; a failed post only warns.
     notify: list[NotifyConfig] = Field(default_factory=list)
+    # Seconds between system-metric samples on every node (CPU, memory, disk, network, GPU; each
+    # worker's RSS), logged to the run's "System metrics" in MLflow; 0 turns them off.
+    system_metrics_interval_s: float = Field(10.0, ge=0)
 
     @field_validator("tracking_uri", "cluster_config")
     @classmethod

@@ -19,6 +19,7 @@ from ray.train import CheckpointUploadMode
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.upload import RetryPolicy, upload_fn
+from training.observe.system import SYSTEM_KEY
 from training.config import JobConfig
 from training.worker.policy import Preemption
 
@@ -49,12 +50,14 @@ class CheckpointReporter:
         self.cost: dict = {}  # what the last checkpoint cost the training loop, reported with the next metrics
 
     def report(self, metrics: dict, loop: ckpt.LoopState, *, checkpoint: bool, synchronous: bool,
-               deadline_s: Optional[float] = None) -> None:
+               deadline_s: Optional[float] = None, system: Optional[list] = None) -> None:
         """`synchronous`: the checkpoint counts only once uploaded (before a preemption deadline);
-        its upload stops retrying in time for `deadline_s` (time.time()), when given."""
+        its upload stops retrying in time for `deadline_s` (time.time()), when given. `system`: this
+        worker's system-metric samples since its last report, for the controller (not the checkpoint)."""
         metrics = {**metrics, **self.cost}
+        reported = {**metrics, SYSTEM_KEY: system} if system else metrics
         if not (checkpoint and self.writes):
-            ray.train.report(metrics)
+            ray.train.report(reported)
             return
         save_start = time.perf_counter()
         directory = tempfile.mkdtemp(prefix="ckpt-")  # outlives an asynchronous upload
@@ -68,7 +71,7 @@ class CheckpointReporter:
         size = ckpt.written_bytes(directory)
         try:
             ray.train.report(
-                metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                reported, checkpoint=ray.train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=ckpt.checkpoint_dir_name(loop.step),
                 checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
                 delete_local_checkpoint_after_upload=asynchronous, checkpoint_upload_fn=upload)

@@ -17,6 +17,7 @@ from training import config as config_lib
 from training import storage
 from training.config import JobConfig
 from training.errors import RunFailed, UserError
+from training.observe.system import SYSTEM_KEY
 from training.redaction import redact
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
 from training.run.record import RunRecord
@@ -150,6 +151,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
     metrics = dict(result.metrics or {})
+    metrics.pop(SYSTEM_KEY, None)  # rank 0's last system-metric samples: logged by the controller already
     if not metrics and result.checkpoint is not None:
         from training.checkpoint.format import metrics_of
 

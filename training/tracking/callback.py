@@ -14,6 +14,7 @@ import time
 
 import ray.train
 from training.adaptors.ray_private import controller_callback_base
+from training.observe.system import mlflow_rows
 from training.tracking.tracker import NullTracker
 
 _SKIP = {"step", "total_steps"}
@@ -70,6 +71,8 @@ class RunCallback(ray.train.UserCallback):
                 self.tracker.log_metrics(values, at_step, timestamp_s)
             self.tracker.log_metrics({k: v for k, v in latest.items() if k not in _SKIP}, step)
             self.logged_through_step = step
+        for values, timestamp_s in mlflow_rows(metrics):  # every worker's: new samples, even on steps redone
+            self.tracker.log_metrics(values, step, timestamp_s)
         if checkpoint is not None:
             self.tracker.on_checkpoint()
         line = progress_line(latest, eta)

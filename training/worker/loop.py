@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -27,6 +28,7 @@ from training.config import JobConfig
 from training.data.loader import DIGEST_MODULUS, BatchPlan
 from training.data.readers import train_batches, validation_part
 from training.data.prepare import Manifest
+from training.observe.system import SystemSampler
 from training.models import build_model
 from training.tasks import forward_loss, units_per_sample
 from training.worker import parallel
@@ -51,6 +53,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     autocast = parallel.autocast(job.train.precision, device)
     task, spec = manifest.task, {"task": manifest.task, **manifest.spec}
     continuous = job.failure.mode == "continue"
+    # this node's system metrics and this worker's memory, sent with the reports
+    sampler = SystemSampler.for_worker(job.tracking.system_metrics_interval_s, ray.get_runtime_context().get_node_id(),
+                                       rank)
 
     plan = BatchPlan(job.train.global_batch_size, world_size, rank, job.train.micro_batch_size)
     train_data = train_batches(manifest, plan, job.seed)
@@ -201,7 +206,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if decision.preemption_save:
             metrics["preemption_checkpoint_step"] = loop.step
         reporter.report(metrics, loop, checkpoint=decision.checkpoint, synchronous=decision.preemption_save,
-                        deadline_s=preemption.deadline_s if decision.preemption_save and preemption else None)
+                        deadline_s=preemption.deadline_s if decision.preemption_save and preemption else None,
+                        system=sampler.take() if sampler else None)
         if fresh is not None and rank == 0:  # rank 0's clock decides when the final save is due
             preemption.plan_final_save(reporter.cost["checkpoint_blocking_s"])
             print(preemption.notice_line(loop.step), flush=True)
@@ -213,6 +219,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         progress.next_window()
     if group:
         group.shutdown()
+    if sampler:
+        sampler.stop()
 
 
 # continue: the pause between two sync rounds while a finished group waits for a replaced one

@@ -1,0 +1,175 @@
+"""System metrics per node, for the run's MLflow "System metrics" tab.
+
+Workers sample; only the controller writes to MLflow. Every worker samples its node with MLflow's
+own monitors (CPU and memory, disk use, network since the start, and with `nvidia-ml-py` and a GPU
+its utilisation, memory and power), plus the disk and network throughput since the last sample,
+and its own process's RSS. The samples travel with the worker's next report (`SYSTEM_KEY`), and
+the controller logs them as `system/<node>/<name>`, at the time they were taken: MLflow's names and
+node prefixes, so its UI groups them per node. Of the workers on one node, the controller logs the
+node's series from the first (in rank order) that has samples: a worker cannot tell which Ray node
+its neighbours are on (Ray Train's local rank counts by IP address, which nodes may share), and a
+sample costs well under a millisecond.
+
+A monitor that fails is dropped with one warning; sampling never fails a step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from typing import Callable, Optional
+
+SYSTEM_KEY = "system"  # the reported metrics' key for the samples since the last report
+MAX_HELD = 360  # samples a worker holds for its next report (an hour at 10 s); the oldest go first
+
+
+def node_label(node_id: str) -> str:
+    """A node's prefix in the metric names: short, and one per Ray node."""
+    return f"node-{node_id[:8]}"
+
+
+class Throughput:
+    """Disk and network megabytes per second since the previous sample (MLflow's monitors give use
+    and totals, not rates)."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float, float, float]:
+        disk, net = self._psutil.disk_io_counters(), self._psutil.net_io_counters()
+        return (time.monotonic(), disk.read_bytes if disk else 0, disk.write_bytes if disk else 0,
+                net.bytes_recv, net.bytes_sent)
+
+    def sample(self) -> dict:
+        now = self._read()
+        seconds = max(now[0] - self._last[0], 1e-6)
+        rates = [max(b - a, 0) / seconds / 1e6 for a, b in zip(self._last[1:], now[1:])]
+        self._last = now
+        return dict(zip(("disk_read_megabytes_per_s", "disk_write_megabytes_per_s",
+                         "network_receive_megabytes_per_s", "network_transmit_megabytes_per_s"),
+                        (round(r, 3) for r in rates)))
+
+
+def _mlflow_monitor(cls) -> Callable[[], dict]:
+    monitor = cls()
+
+    def sample() -> dict:
+        monitor.collect_metrics()
+        values = monitor.aggregate_metrics()
+        monitor.clear_metrics()
+        return values
+    return sample
+
+
+def node_monitors() -> list[tuple[str, Callable[[], dict]]]:
+    """MLflow's monitors for a node (the GPU's only where NVML is installed and finds a GPU), and
+    the throughput one."""
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+    import psutil
+
+    psutil.cpu_percent()  # the first call starts the count that the CPU monitor's first sample reads
+    monitors = [("cpu", _mlflow_monitor(CPUMonitor)), ("disk", _mlflow_monitor(DiskMonitor)),
+                ("network", _mlflow_monitor(NetworkMonitor)), ("throughput", Throughput().sample)]
+    try:
+        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+        monitors.append(("gpu", _mlflow_monitor(GPUMonitor)))
+    except Exception:  # no nvidia-ml-py, or no GPU: those series are simply missing
+        pass
+    return monitors
+
+
+WORKER_MONITOR = "worker"  # the monitor whose values are this worker's own, not its node's
+
+
+def process_monitor(rank: int) -> tuple[str, Callable[[], dict]]:
+    import psutil
+
+    process = psutil.Process(os.getpid())
+    return WORKER_MONITOR, lambda: {f"worker_{rank}_rss_megabytes": round(process.memory_info().rss / 1e6, 1)}
+
+
+class SystemSampler:
+    """Samples every `interval_s` in a daemon thread; `take()` hands over the samples since the
+    last call, each {"time_s", "node", "node_values", "worker_values"}. A monitor that raises is
+    dropped with a warning."""
+
+    def __init__(self, interval_s: float, node: str, monitors: list[tuple[str, Callable[[], dict]]],
+                 warn: Callable[[str], None] = lambda line: warnings.warn(line, stacklevel=2)):
+        self.interval_s, self.node, self.warn = interval_s, node, warn
+        self._monitors = list(monitors)
+        self._held: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def for_worker(cls, interval_s: float, node_id: str, rank: int) -> Optional["SystemSampler"]:
+        """The sampler of a training worker, started; None when sampling is off (interval 0). A
+        sampler that cannot even be built is a warning, and the run trains without one."""
+        if not interval_s:
+            return None
+        try:
+            monitors = node_monitors() + [process_monitor(rank)]
+            sampler = cls(interval_s, node_label(node_id), monitors,
+                          warn=lambda line: print(f"warning: {line}", flush=True))
+        except Exception as exc:  # noqa: BLE001 (never a training failure)
+            print(f"warning: system metrics are off on this worker: {type(exc).__name__}: {exc}", flush=True)
+            return None
+        sampler.start()
+        return sampler
+
+    def sample_now(self) -> None:
+        values: dict = {"node_values": {}, "worker_values": {}}
+        for entry in list(self._monitors):
+            name, monitor = entry
+            try:
+                values["worker_values" if name == WORKER_MONITOR else "node_values"].update(monitor())
+            except Exception as exc:  # noqa: BLE001 (a sampler that fails is a warning)
+                self._monitors.remove(entry)
+                self.warn(f"system metrics: the {name} monitor failed ({type(exc).__name__}: {exc}); "
+                          "its series stop here, training goes on")
+        if values["node_values"] or values["worker_values"]:
+            with self._lock:
+                self._held.append({"time_s": time.time(), "node": self.node, **values})
+                del self._held[:-MAX_HELD]
+
+    def take(self) -> list[dict]:
+        with self._lock:
+            held, self._held = self._held, []
+        return held
+
+    def start(self) -> None:
+        def loop():
+            while not self._stop.wait(self.interval_s):
+                self.sample_now()
+
+        self._thread = threading.Thread(target=loop, name="system-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def mlflow_rows(reports: list[dict]) -> list[tuple[dict, float]]:
+    """Every worker's samples in one report round (the reports in rank order), as
+    ({"system/<node>/<name>": value}, time_s): each worker's own series, and each node's from the
+    first worker on it that sampled the node."""
+    rows, claimed = [], {}
+    for index, metrics in enumerate(reports):
+        for sample in metrics.get(SYSTEM_KEY) or ():
+            node = sample["node"]
+            values = dict(sample.get("worker_values") or {})
+            if sample.get("node_values") and claimed.setdefault(node, index) == index:
+                values.update(sample["node_values"])
+            if values:
+                prefix = f"system/{node}/"
+                rows.append(({prefix + name: value for name, value in values.items()}, sample["time_s"]))
+    return rows
