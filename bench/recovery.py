@@ -2,8 +2,9 @@
 run with no failures, in the same Ray cluster. Measured from the run's own metrics in MLflow:
 - kill -> next step: seconds from each kill to the first step of the restarted worker group;
 - steps lost: the step the run had reached at the kill minus the step the new group resumed from;
-- efficiency: failure-free wall time / wall time with failures, for the same steps (the failure-free
-  time from a shorter failure-free run plus the remaining steps at its steady rate).
+- efficiency: failure-free wall time / wall time with failures, for the same steps: a real
+  failure-free twin of the same run, interleaved with the chaotic one (twin, chaos, twin, chaos),
+  as per-pair ratios with their median, min and max.
 A failure comes `interval_s` of training after the previous recovery (60 s in a full run)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import median, service_job
+from bench.common import interleaved, median, paired_ratios, service_job
 
 
 def train_worker_pids() -> list[int]:
@@ -91,48 +92,50 @@ def analyse(kills: list[float], metrics: dict) -> list[dict]:
     return found
 
 
-def clean_wall_for(steps: int, clean_steps: int, clean_wall_s: float, history: list[tuple[int, float]]) -> float:
-    """Failure-free wall time for `steps`, from a failure-free run of `clean_steps`: its own wall
-    time plus the remaining steps at its steady rate (the second half of its reports)."""
-    points = history[len(history) // 2:]
-    (s0, w0), (s1, w1) = points[0], points[-1]
-    return clean_wall_s + (steps - clean_steps) * (w1 - w0) / (s1 - s0)
-
-
 def recovery(quick: bool) -> dict:
     from bench.common import run_service
+    from training.run.paths import resolve_paths
 
-    # A full run trains ~2.5 minutes, so two failures land; its failure-free twin runs a sixth of
-    # the steps, and the rest is added at that run's own steady rate. Quick: the kill comes 1 s after
-    # the first checkpoint (step 100), well before the end (with 5 s it came at the last step once),
-    # and the failure-free twin runs a quarter of the steps (the same extrapolation as a full run).
-    interval_s, steps, max_kills, every = (1.0, 400, 1, 100) if quick else (60.0, 24000, 100, 500)
-    clean_steps = steps // 4 if quick else steps // 6
+    # A full run trains ~2.5 minutes, so two failures land, against a failure-free twin of the same
+    # steps; two pairs. Quick: one pair, the kill 1 s after the first checkpoint (step 100), well
+    # before the end (with 5 s it came at the last step once).
+    interval_s, steps, max_kills, every, rounds = (1.0, 400, 1, 100, 1) if quick else (60.0, 24000, 100, 500, 2)
     overrides = [f"train.eval_every_n_steps={steps // 10}", f"checkpoint.every_n_steps={every}",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
-                 "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false"]
-    clean, clean_history = run_service(service_job("digits.yaml", overrides + [f"train.max_steps={clean_steps}"],
-                                                   "recovery-clean"))
-    kills: list[float] = []
-    run_dir = Path(clean.run_dir).parent / "recovery-chaos"
-    stop = threading.Event()
-    killer = threading.Thread(target=_killer, args=(run_dir, interval_s, stop, kills, max_kills), daemon=True)
-    killer.start()
-    try:
-        chaotic, _ = run_service(service_job("digits.yaml", overrides + [f"train.max_steps={steps}"], "recovery-chaos"))
-    finally:
-        stop.set()
-        killer.join(timeout=5)
-    per_kill = analyse(kills, _metrics(chaotic))
-    clean_wall = clean_wall_for(steps, clean_steps, clean.wall_s, clean_history)
+                 "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false",
+                 f"train.max_steps={steps}"]
+    per_kill: list[dict] = []
+    kills_total = [0]
+
+    def clean() -> float:
+        summary, _ = run_service(service_job("digits.yaml", overrides, f"recovery-clean-{time.monotonic_ns()}"))
+        return summary.wall_s
+
+    def chaos() -> float:
+        name = f"recovery-chaos-{time.monotonic_ns()}"
+        job = service_job("digits.yaml", overrides, name)
+        kills: list[float] = []
+        stop = threading.Event()
+        run_dir = Path(resolve_paths(job, name).run_dir)
+        killer = threading.Thread(target=_killer, args=(run_dir, interval_s, stop, kills, max_kills), daemon=True)
+        killer.start()
+        try:
+            chaotic, _ = run_service(job)
+        finally:
+            stop.set()
+            killer.join(timeout=5)
+        per_kill.extend(analyse(kills, _metrics(chaotic)))
+        kills_total[0] += len(kills)
+        return chaotic.wall_s
+
+    clean_walls, chaos_walls = interleaved(clean, chaos, rounds)
+    efficiency = paired_ratios(clean_walls, chaos_walls)
     return {
-        "steps": steps, "failure_every_s": interval_s, "kills": len(kills), "recoveries_measured": len(per_kill),
+        "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0], "recoveries_measured": len(per_kill),
         "kill_to_next_step_s_median": median([k["kill_to_next_step_s"] for k in per_kill]) if per_kill else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
-        "checkpoint_every_n_steps": every,
-        "clean_steps": clean_steps, "clean_run_wall_s": clean.wall_s,
-        "clean_wall_s": clean_wall, "chaos_wall_s": chaotic.wall_s,
-        "efficiency": clean_wall / chaotic.wall_s,
+        "checkpoint_every_n_steps": every, "clean_wall_s": clean_walls, "chaos_wall_s": chaos_walls,
+        "efficiency": efficiency["ratio_median"], "efficiency_pairs": efficiency,
         "per_kill": per_kill,
     }

@@ -19,6 +19,16 @@ def _took(results: dict) -> str:
     return f" The run took {results['elapsed_s'] / 60:.0f} min{f' ({rows} min)' if rows else ''}."
 
 
+def spread(pairs: dict) -> str:
+    """The per-pair min and max of a ratio, and a warning where they straddle more than the gap
+    from 1 that the median claims."""
+    low, high, middle = pairs["ratio_min"], pairs["ratio_max"], pairs.get("ratio_median", pairs["ratio_min"])
+    text = f"min {low:.2f}, max {high:.2f}"
+    if pairs.get("rounds", 1) > 1 and high - low > abs(1 - middle):
+        text += "; the spread is wider than the gap from 1: not a measured difference"
+    return text
+
+
 def median_of(values: list) -> float:
     import statistics
 
@@ -32,8 +42,9 @@ def markdown(results: dict) -> str:
              f"{', ' + m['cuda'] if m.get('cuda') else ''}.{_took(results)}", "",
              "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
     for key, v in r.get("overhead", {}).items():
+        pairs = v.get("pairs") or {"ratio_min": v["overhead_ratio"], "ratio_max": v["overhead_ratio"], "rounds": 1}
         lines.append(f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "
-                     f"| **{v['overhead_ratio']:.3f}** | steady-state samples/s (first {v.get('warmup_steps', v['steps'] // 5)} of "
+                     f"| **{v['overhead_ratio']:.3f}** ({spread(pairs)}; {pairs['rounds']} interleaved pair(s)) | steady-state samples/s (first {v.get('warmup_steps', v['steps'] // 5)} of "
                      f"{v['steps']} steps excluded), service on Ray Train vs {v['baseline']}, same model, data, batch, threads |")
     if "cold_start" in r:
         c = r["cold_start"]
@@ -77,7 +88,7 @@ def markdown(results: dict) -> str:
         pair = v.get("throughput")
         measured = (f"digits 2 workers {median_of(v['sampled_samples_per_s']):.0f} vs {median_of(v['unsampled_samples_per_s']):.0f} "
                     f"samples/s; " if pair else "") + f"one sample {1000 * v['sample_cpu_s']:.2f} ms CPU"
-        ratio = (f"**{pair['ratio_median']:.3f}** (spread {pair['ratio_min']:.3f}-{pair['ratio_max']:.3f}); " if pair else "")
+        ratio = f"**{pair['ratio_median']:.3f}** ({spread(pair)}); " if pair else ""
         how = (f"throughput with a sample every {v['sampled_interval_s']:.0f} s on each node vs sampling off, "
                f"interleaved, {pair['rounds']} rounds (first {v['warmup_steps']} of {v['steps']} steps excluded); "
                if pair else "") + "one sample's CPU time (MLflow's monitors, throughput, RSS) over the interval"
@@ -106,12 +117,13 @@ def markdown(results: dict) -> str:
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
         elif name == "recovery" and v:
+            pairs = v.get("efficiency_pairs") or {"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
             lines.append(f"| recovery | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
-                         f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency | digits, 2 "
-                         f"workers, {v['steps']} steps with a worker SIGKILLed every {v['failure_every_s']:.0f} s "
-                         f"({v['kills']} kills) vs without failures (a failure-free run of {v.get('clean_steps', v['steps'])} "
-                         "steps, the rest at its steady rate): wall-time ratio |")
+                         f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "
+                         f"({spread(pairs)}) | digits, 2 workers, {v['steps']} steps with a worker SIGKILLed every "
+                         f"{v['failure_every_s']:.0f} s ({v['kills']} kills) vs a failure-free twin of the same steps, "
+                         f"interleaved, {pairs['rounds']} pair(s): wall-time ratio per pair |")
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
                              for s in v["seeds"])

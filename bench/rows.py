@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from bench.common import (CONFIGS, REPO, median, run_baseline, run_service, service_job,
-                          steady_samples_per_s)
+from bench.common import (CONFIGS, REPO, interleaved, median, paired_ratios, run_baseline, run_service,
+                          service_job, steady_samples_per_s)
 from bench.recovery import recovery  # noqa: F401  (the recovery row: a worker killed every 60 s)
 from bench.sweep import sweep  # noqa: F401  (the sweep row: ASHA vs random search)
 
@@ -50,7 +50,7 @@ def overhead(quick: bool) -> dict:
     from training.data.prepare import prepare
 
     steps = {"digits": 40 if quick else 2400, "tinylm": 12 if quick else 150}
-    repeats = 1 if quick else 2
+    rounds = 1 if quick else 3
     row = {}
     # Quick mode checks the harness: one case, against torchrun (every case runs the same code).
     cases = [("digits", 2)] if quick else [(task, workers) for task in TASKS for workers in (2, 1)]
@@ -58,25 +58,27 @@ def overhead(quick: bool) -> dict:
         config, model_options = TASKS[task]
         n = steps[task]
         warmup = max(2, n // 3)
-        service: list[float] = []
-        baseline: list[float] = []
-        root = None
-        # service, baseline, then (full runs) baseline, service: a drift in the machine's speed
-        # weighs on both sides alike
-        for side in (["service", "baseline"] + (["baseline", "service"] if repeats > 1 else [])):
-            if side == "service":
-                data = [QUICK_TINYLM_DATA] if quick and task == "tinylm" else []
-                job = service_job(config, _throughput_overrides(n, workers, quick) + data,
-                                  f"overhead-{task}-{workers}-{len(service)}")
-                summary, history = run_service(job)
-                service.append(steady_samples_per_s(history, warmup, job.train.global_batch_size))
-                root = root or prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None).root
-            else:
-                baseline.append(run_baseline(root, job.model.name, model_options, n, warmup,
-                                             job.train.global_batch_size, workers))
-        row[f"{task}_{workers}w"] = {"service_samples_per_s": median(service), "baseline_samples_per_s": median(baseline),
-                                     "overhead_ratio": median(service) / median(baseline), "steps": n,
-                                     "warmup_steps": warmup, "repeats": repeats,
+        data = [QUICK_TINYLM_DATA] if quick and task == "tinylm" else []
+        overrides = _throughput_overrides(n, workers, quick) + data
+        job = service_job(config, overrides, f"overhead-{task}-{workers}")
+        root = []
+
+        def service() -> float:
+            summary, history = run_service(service_job(config, overrides, f"overhead-{task}-{workers}-{time.monotonic_ns()}"))
+            if not root:
+                root.append(prepare(job.data, str(Path(summary.run_dir).parent / "datasets"), log=lambda _: None).root)
+            return steady_samples_per_s(history, warmup, job.train.global_batch_size)
+
+        def baseline() -> float:
+            return run_baseline(root[0], job.model.name, model_options, n, warmup, job.train.global_batch_size, workers)
+
+        # service, baseline, service, baseline ...: a drift in the machine's speed weighs on both
+        # sides alike, and each pair gives a ratio (the spread a ratio of medians hides)
+        served, plain = interleaved(service, baseline, rounds)
+        pairs = paired_ratios(served, plain)
+        row[f"{task}_{workers}w"] = {"service_samples_per_s": median(served), "baseline_samples_per_s": median(plain),
+                                     "overhead_ratio": pairs["ratio_median"], "pairs": pairs, "steps": n,
+                                     "warmup_steps": warmup, "repeats": rounds,
                                      "baseline": "torchrun DDP (gloo)" if workers > 1 else "plain single-process loop"}
     return row
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from bench.common import steady_samples_per_s
-from bench.recovery import analyse, clean_wall_for
+from bench.recovery import analyse
+from bench.report import spread
 from bench.sweep import steps_to_target
 
 
@@ -17,10 +18,15 @@ def test_steady_throughput_skips_the_warm_up():
         steady_samples_per_s(history, warmup_steps=40, global_batch=8)
 
 
-def test_failure_free_time_extends_a_short_run_at_its_steady_rate():
-    history = [(0, 0.0), (10, 5.0), (20, 6.0), (30, 7.0)]  # steady: 10 steps/s once past the start
-    assert clean_wall_for(100, 30, 8.0, history) == pytest.approx(8.0 + 70 / 10)
-    assert clean_wall_for(30, 30, 8.0, history) == 8.0
+def test_a_spread_wider_than_the_claimed_gap_says_so():
+    from bench.common import paired_ratios
+
+    noisy = paired_ratios([0.9, 1.05, 0.8], [1.0, 1.0, 1.0])  # median 0.9: a 10% gap, spread 0.25
+    assert noisy["ratio_median"] == pytest.approx(0.9) and noisy["ratio_min"] == pytest.approx(0.8)
+    assert "wider than the gap" in spread(noisy)
+    steady = paired_ratios([0.8, 0.82, 0.81], [1.0, 1.0, 1.0])  # a 19% gap, spread 0.02
+    assert spread(steady) == "min 0.80, max 0.82"
+    assert "wider" not in spread(paired_ratios([0.9], [1.0]))  # one pair: no spread to speak of
 
 
 def test_recovery_reads_kill_to_next_step_and_steps_lost():
