@@ -20,12 +20,16 @@ def _took(results: dict) -> str:
 
 
 def spread(pairs: dict) -> str:
-    """The per-pair min and max of a ratio, and a warning where they straddle more than the gap
-    from 1 that the median claims."""
+    """The per-pair min and max of a ratio, and what they allow: pairs on both sides of 1 measured
+    no difference; pairs on one side whose spread is wider than the median's gap from 1 measured
+    a difference of uncertain size."""
     low, high, middle = pairs["ratio_min"], pairs["ratio_max"], pairs.get("ratio_median", pairs["ratio_min"])
     text = f"min {low:.2f}, max {high:.2f}"
-    if pairs.get("rounds", 1) > 1 and high - low > abs(1 - middle):
-        text += "; the spread is wider than the gap from 1: not a measured difference"
+    if pairs.get("rounds", 1) > 1:
+        if low <= 1 <= high:
+            text += "; pairs on both sides of 1: no measured difference"
+        elif high - low > abs(1 - middle):
+            text += "; the spread is wider than the gap from 1: its size is uncertain"
     return text
 
 
