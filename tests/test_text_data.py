@@ -113,7 +113,7 @@ def test_an_interrupted_preparation_resumes_without_rewriting_finished_files(tmp
     lines = []
     resumed = text.prepare(data, str(tmp_path / "cache"), log=lines.append)
     assert {p: p.stat().st_mtime_ns for p in finished} == finished
-    assert any("tokenized 5 of 8 files" in line for line in lines) and any("3 files tokenized earlier" in line
+    assert any("tokenized 5 of 8 files" in line for line in lines) and any("3 files prepared earlier" in line
                                                                         for line in lines)
     whole = text.prepare(data, str(tmp_path / "other"), log=lambda _: None)
     assert _normalised(resumed) == _normalised(whole)

@@ -120,6 +120,7 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     import ray
     from ray import tune
 
+    from training.run.driver import plugin_specs
     from training.run.resources import maximum_resources, worker_resources
     from training.run.session import ray_session
     from tuning import resources, schedule
@@ -127,7 +128,7 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
 
     largest = maximum_resources()  # None: no launcher config on this machine
     # Save the sweep's state often: a driver that dies resumes from it (it is small).
-    with ray_session(sweep.base.model.name, sweep.base.data.source, env={"TUNE_GLOBAL_CHECKPOINT_S": "2"}) as session:
+    with ray_session(*plugin_specs(sweep.base), env={"TUNE_GLOBAL_CHECKPOINT_S": "2"}) as session:
         cluster = ray.cluster_resources()
         needs = resources.trial_resources(sweep.base, sweep.config.trial.driver_cpus,
                                           worker_resources(sweep.base.scaling, cluster, largest))

@@ -95,8 +95,10 @@ def check_unchanged(manifest_root: Optional[str], options: dict[str, Any]) -> No
         return
     if not is_external(manifest):
         return
-    # (data tokenized by the `text` source: its index names the files it wrote, as options)
-    opts = parquet.ParquetOptions.model_validate(options if manifest.source == SOURCE else manifest.options)
+    # (data tokenized by the `text` source or written by a transform: its index names the files
+    # written, as options; their inputs are checked by text.check_unchanged, transform.check_unchanged)
+    opts = parquet.ParquetOptions.model_validate(options if manifest.source == SOURCE and manifest.origin is None
+                                                  else manifest.options)
     try:
         listing = parquet.list_files(opts.path, opts.filter)
         if opts.validation_path is not None:

@@ -13,6 +13,8 @@ hidden files) is skipped.
 Columns, by task:
 - classification: `features` (a list of numeric columns, or one list column) and `label`;
 - language_model: `tokens` (one list column of token ids, every row the same length).
+
+With a `transform`, a plug-in's output is trained on instead: see training/data/transform.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +40,22 @@ from training.schema import Section
 SKIPPED_PREFIXES = ("_", ".")
 SKIPPED_SUFFIXES = (".crc", ".tmp", ".inprogress")
 FOOTER_THREADS = 16
+
+
+class TransformOptions(Section):
+    # A plug-in "package.module:function" run on the input before training (training/data/transform.py):
+    # per batch, it takes a pyarrow.Table (one row group of a file, with the file's Hive partition
+    # values as string columns) and returns a pyarrow.Table, a pandas DataFrame or a dict of columns;
+    # per row, it takes a dict and returns a dict, or None to leave the row out.
+    function: str
+    per: Literal["batch", "row"] = "batch"
+    # Keyword arguments to the function.
+    options: dict[str, Any] = Field(default_factory=dict)
+    # The input columns the function reads (default: all).
+    columns: Optional[list[str]] = None
+    # Where it runs: a Ray Data pipeline on the cluster (auto: once the files to transform hold
+    # 32 MB), or the driver a file at a time.
+    run_on: Literal["auto", "cluster", "driver"] = "auto"
 
 
 class ParquetOptions(Section):
@@ -65,6 +83,8 @@ class ParquetOptions(Section):
     # When the files carry no statistics for them: classes of the label / the token vocabulary.
     num_classes: Optional[int] = Field(None, ge=2)
     vocab_size: Optional[int] = Field(None, ge=2)
+    # Prepare the data with a plug-in first (features, label and tokens then name its output's columns).
+    transform: Optional[TransformOptions] = None
 
     @model_validator(mode="after")
     def _task_columns(self):

@@ -15,11 +15,11 @@ import hashlib
 import io
 import json
 import re
+import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training import storage
@@ -28,6 +28,9 @@ from training.data.sources import SPLITS, load_source
 
 PREP_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+BLOCKS_PER_CPU = 2  # blocks of input files per CPU of the cluster, in the Ray Data pipeline
+# run_on / tokenize_on auto: on the cluster once the files still to prepare hold this much.
+CLUSTER_MIN_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Manifest:
     schema: str
     digest: str
     format_version: int = PREP_FORMAT_VERSION
+    # Data prepared from other data (text tokenized, Parquet transformed): where it came from.
+    origin: Optional[dict[str, Any]] = None
 
     def rows(self, split: str) -> int:
         return self.splits[split]["rows"]
@@ -73,6 +78,10 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     """Prepare `data` under `cache_root` unless an identical dataset is already there.
 
     `check(task, spec, rows)`, if given, runs on the loaded source before anything is written."""
+    if data.source == "parquet" and data.options.get("transform"):  # a plug-in's output, streamed like the input
+        from training.data import transform
+
+        return transform.prepare(data, cache_root, log, check)
     if data.source == "parquet":  # read where it is: only an index is written
         from training.data import external
 
@@ -117,3 +126,103 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     log(f"data: prepared {data.source} at {root} ({splits['train']['rows']} train, "
         f"{splits['validation']['rows']} validation rows in {data.num_shards} shards each)")
     return manifest
+
+
+def wants_cluster(data: DataConfig, cache_root: str) -> bool:
+    """Whether preparing `data` would run on a Ray cluster if one were up (text to tokenize, Parquet
+    to transform, enough of it): the driver then opens its Ray session before preparing. Makes every
+    check of those sources' input that needs no Ray (UserError)."""
+    if data.source == "text":
+        from training.data import text
+
+        return text.wants_cluster(text.plan(data, cache_root))
+    if data.source == "parquet" and data.options.get("transform"):
+        from training.data import transform
+
+        return transform.wants_cluster(transform.plan(data, cache_root))
+    return False
+
+
+def cached(root: str, check, log: Callable[[str], None], what: str) -> Optional[Manifest]:
+    """The Manifest prepared earlier at `root` (checked, logged), or None if there is none."""
+    if not storage.exists(storage.join(root, MANIFEST)):
+        return None
+    manifest = Manifest.load(root)
+    if check is not None:
+        check(manifest.task, manifest.spec, {name: split["rows"] for name, split in manifest.splits.items()})
+    log(f"data: {what} ready at {root} (cached; {manifest.rows('train')} train, {manifest.rows('validation')} "
+        "validation rows)")
+    return manifest
+
+
+def decide_where(run_on: str, pending_bytes: int, cluster_up: bool) -> str:
+    """'cluster' (a Ray Data pipeline) or 'driver' (a file at a time, in this process)."""
+    if run_on == "driver" or pending_bytes == 0:
+        return "driver"
+    if run_on == "cluster":
+        return "cluster" if cluster_up else "driver"
+    return "cluster" if cluster_up and pending_bytes >= CLUSTER_MIN_BYTES else "driver"
+
+
+def pending_bytes(inputs: dict[str, list], tasks: list) -> int:
+    sizes = {f.uri: f.size for files in inputs.values() for f in files}
+    return sum(sizes[t.uri] for t in tasks)
+
+
+@dataclass(frozen=True)
+class FileWork:
+    """What preparing the input files a file at a time did (see `do_file_tasks`)."""
+    results: list[dict]
+    where: str
+    elapsed_s: float
+    pending_bytes: int
+    files: int
+
+    @property
+    def how(self) -> str:
+        return "on the cluster (Ray Data)" if self.where == "cluster" else "in this process"
+
+    @property
+    def error(self) -> Optional[dict]:
+        return next((r for r in self.results if "error" in r), None)
+
+
+def do_file_tasks(inputs: dict[str, list], tasks: list, run_on: str, verb: str, in_driver: Callable[[], list[dict]],
+                  on_cluster: Callable[[dict[str, int]], list[dict]], log: Callable[[str], None]) -> FileWork:
+    """Prepare the input files still to do (`tasks`, of `inputs`: split -> files) where `run_on`
+    says: `on_cluster(sizes)` in this process's Ray session if one is up, else `in_driver()`."""
+    import sys
+
+    sizes = {f.uri: f.size for files in inputs.values() for f in files}
+    pending = pending_bytes(inputs, tasks)
+    cluster_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    where = decide_where(run_on, pending, cluster_up)
+    if run_on == "cluster" and not cluster_up:
+        log(f"data: no Ray cluster is up: {verb} in this process")
+    started = time.monotonic()
+    results = on_cluster(sizes) if where == "cluster" else in_driver()
+    files = sum(len(f) for f in inputs.values())
+    if len(tasks) < files:
+        log(f"data: {files - len(tasks)} files prepared earlier were kept")
+    return FileWork(results, where, time.monotonic() - started, pending, files)
+
+
+def files_on_cluster(tasks: list, sizes: dict[str, int], work: Callable[[list], list[dict]]) -> list[dict]:
+    """A Ray Data pipeline over a list of file tasks (each with `uri`, `fmt`, `folder`): blocks of
+    files of about equal bytes (a few per CPU of the cluster), each block handed to `work` by one
+    task on any node, which writes its files' output itself; only the files' counts (JSON-able
+    dicts) come back to the driver. (One Ray task per file costs more than a small file's work.)"""
+    import ray
+
+    from training.data.tokenize import FileTask
+
+    def run(batch: dict[str, Any]) -> dict[str, list]:
+        block = [FileTask(uri, fmt, folder) for uri, fmt, folder in zip(batch["uri"], batch["fmt"], batch["folder"])]
+        return {"result": [json.dumps(counts) for counts in work(block)]}
+
+    blocks = min(len(tasks), BLOCKS_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1))))
+    largest_first = sorted(tasks, key=lambda t: -sizes[t.uri])
+    dealt = [t for block in range(blocks) for t in largest_first[block::blocks]]  # contiguous blocks, even bytes
+    items = [{"uri": t.uri, "fmt": t.fmt, "folder": t.folder} for t in dealt]
+    dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(run, batch_size=None, num_cpus=1)
+    return [json.loads(row["result"]) for row in dataset.take_all()]

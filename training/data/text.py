@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, model_validator
 
 from training import storage
 from training.config import DataConfig
 from training.data import parquet
+from training.data.prepare import decide_where, do_file_tasks, pending_bytes
 from training.data.tokenize import DataError, FileTask, format_of, is_done, rows_per_group, tokenize_file
 from training.data.tokenizer import hash_rank, load_tokenizer, tokenizer_of
 from training.errors import ConfigError, UserError
@@ -41,9 +41,6 @@ from training.schema import Section, format_validation_error
 SOURCE = "text"
 TEXT_FORMAT = 1
 STDLIB = "stdlib"  # path: the Python standard library's own .py files (site-packages left out)
-# tokenize_on: auto: on the cluster once the files still to tokenize hold this much text.
-CLUSTER_MIN_BYTES = 32 << 20
-BLOCKS_PER_CPU = 2  # blocks of files per CPU of the cluster, in the Ray Data pipeline
 
 
 class TokenizerTraining(Section):
@@ -217,22 +214,12 @@ def plan(data: DataConfig, cache_root: str) -> TextPlan:
     return TextPlan(options, {"train": train, "validation": validation}, tokenizer_json, eos_id, root)
 
 
-def decide_where(tokenize_on: str, pending_bytes: int, cluster_up: bool) -> str:
-    """'cluster' (a Ray Data pipeline) or 'driver' (a file at a time, in this process)."""
-    if tokenize_on == "driver" or pending_bytes == 0:
-        return "driver"
-    if tokenize_on == "cluster":
-        return "cluster" if cluster_up else "driver"
-    return "cluster" if cluster_up and pending_bytes >= CLUSTER_MIN_BYTES else "driver"
-
-
 def wants_cluster(text_plan: TextPlan) -> bool:
     """Whether preparing this data would use a Ray cluster if one were up (the driver opens its Ray
     session before preparing, then)."""
     if text_plan.prepared():
         return False
-    sizes = {f.uri: f.size for files in text_plan.inputs.values() for f in files}
-    pending = sum(sizes[t.uri] for t in text_plan.tasks())
+    pending = pending_bytes(text_plan.inputs, text_plan.tasks())
     return decide_where(text_plan.options.tokenize_on, pending, cluster_up=True) == "cluster"
 
 
@@ -267,69 +254,43 @@ def tokenize_in_driver(tasks: list[FileTask], tokenizer_json: str, eos_id: int, 
 
 def tokenize_on_cluster(tasks: list[FileTask], sizes: dict[str, int], tokenizer_json: str, eos_id: int, width: int,
                         group: int, text_column: str) -> list[dict]:
-    """A Ray Data pipeline over the file list: blocks of files of about equal bytes (a few per CPU of
-    the cluster), each tokenized file by file by one task on any node; only the files' counts come
-    back to the driver. (One task per file costs more than a small file's tokenizing.)"""
-    import ray
+    """Each file tokenized by a Ray Data task on any node (see prepare.files_on_cluster)."""
+    from training.data.prepare import files_on_cluster
 
-    def run(batch: dict[str, Any]) -> dict[str, list]:
+    def work(tasks: list[FileTask]) -> list[dict]:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_str(tokenizer_json)
-        return {"result": [json.dumps(tokenize_file(FileTask(uri, fmt, folder), tokenizer, eos_id, width, group,
-                                                       text_column))
-                           for uri, fmt, folder in zip(batch["uri"], batch["fmt"], batch["folder"])]}
+        return [tokenize_file(task, tokenizer, eos_id, width, group, text_column) for task in tasks]
 
-    blocks = min(len(tasks), BLOCKS_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1))))
-    largest_first = sorted(tasks, key=lambda t: -sizes[t.uri])
-    dealt = [t for block in range(blocks) for t in largest_first[block::blocks]]  # contiguous blocks, even bytes
-    items = [{"uri": t.uri, "fmt": t.fmt, "folder": t.folder} for t in dealt]
-    dataset = ray.data.from_items(items, override_num_blocks=blocks).map_batches(run, batch_size=None, num_cpus=1)
-    return [json.loads(row["result"]) for row in dataset.take_all()]
+    return files_on_cluster(tasks, sizes, work)
 
 
 def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = print, check=None,
             text_plan: Optional[TextPlan] = None, on_file: Optional[Callable[[dict], None]] = None):
     """The Manifest of the tokenized data (cached by key; resumed file by file if interrupted).
     `on_file(counts)`: called after each file tokenized in this process."""
-    from training.data.prepare import MANIFEST, Manifest
+    from training.data.prepare import MANIFEST, Manifest, cached
 
     text_plan = text_plan or plan(data, cache_root)
     options = text_plan.options
-    if text_plan.prepared():
-        manifest = Manifest.load(text_plan.root)
-        if check is not None:
-            check(manifest.task, manifest.spec, {name: split["rows"] for name, split in manifest.splits.items()})
-        log(f"data: text ready at {text_plan.root} (cached; {manifest.rows('train')} train, "
-            f"{manifest.rows('validation')} validation rows of {text_plan.width} tokens)")
+    manifest = cached(text_plan.root, check, log, f"text in rows of {text_plan.width} tokens")
+    if manifest is not None:
         return manifest
     tokenizer = tokenizer_of(text_plan, log)
     tasks = text_plan.tasks()
-    files = sum(len(f) for f in text_plan.inputs.values())
-    sizes = {f.uri: f.size for fs in text_plan.inputs.values() for f in fs}
-    pending = sum(sizes[t.uri] for t in tasks)
-    cluster_up = _ray_initialized()
-    where = decide_where(options.tokenize_on, pending, cluster_up)
-    if options.tokenize_on == "cluster" and not cluster_up:
-        log("data: no Ray cluster is up: tokenizing in this process")
-    started = time.monotonic()
     arguments = (tokenizer.to_str(), text_plan.eos_id, text_plan.width, text_plan.group_rows, options.text_column)
-    if where == "cluster":
-        results = tokenize_on_cluster(tasks, sizes, *arguments)
-    else:
-        results = tokenize_in_driver(tasks, *arguments, on_file=on_file)
-    errors = [r for r in results if "error" in r]
-    if errors:
-        split = next(s for s, fs in text_plan.inputs.items() if any(f.uri == errors[0]["uri"] for f in fs))
-        raise UserError(f"data.options.{_files_option(options, split)}: {errors[0]['error']}")
+    work = do_file_tasks(text_plan.inputs, tasks, options.tokenize_on, "tokenizing",
+                         in_driver=lambda: tokenize_in_driver(tasks, *arguments, on_file=on_file),
+                         on_cluster=lambda sizes: tokenize_on_cluster(tasks, sizes, *arguments), log=log)
+    if work.error:
+        split = next(s for s, fs in text_plan.inputs.items() if any(f.uri == work.error["uri"] for f in fs))
+        raise UserError(f"data.options.{_files_option(options, split)}: {work.error['error']}")
     if tasks:
-        rows, dropped = sum(r["rows"] for r in results), sum(r["dropped_tokens"] for r in results)
-        elapsed = time.monotonic() - started
-        log(f"data: tokenized {len(tasks)} of {files} files ({pending / 1e6:.1f} MB) in {elapsed:.1f} s "
-            f"{'on the cluster (Ray Data)' if where == 'cluster' else 'in this process'}: {rows} rows "
-            f"({rows / max(elapsed, 1e-9):.0f} rows/s); {dropped} tokens at files' ends dropped (shorter than a row)")
-    if len(tasks) < files:
-        log(f"data: {files - len(tasks)} files tokenized earlier were kept")
+        rows, dropped = sum(r["rows"] for r in work.results), sum(r["dropped_tokens"] for r in work.results)
+        log(f"data: tokenized {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) in "
+            f"{work.elapsed_s:.1f} s {work.how}: {rows} rows ({rows / max(work.elapsed_s, 1e-9):.0f} rows/s); "
+            f"{dropped} tokens at files' ends dropped (shorter than a row)")
     index_options = parquet.ParquetOptions(
         path=text_plan.folder("train"), validation_path=text_plan.folder("validation"), tokens="tokens",
         vocab_size=tokenizer.get_vocab_size(), partitions=options.partitions,
@@ -345,7 +306,8 @@ def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = prin
         check(index["task"], index["spec"], {name: split["rows"] for name, split in index["splits"].items()})
     manifest = Manifest(root=text_plan.root, source=SOURCE, options=index_options.model_dump(mode="json"),
                         task=index["task"], spec=index["spec"], splits=index["splits"], schema=index["schema"],
-                        digest=index["digest"])
+                        digest=index["digest"], origin={"path": options.path, "validation_path": options.validation_path,
+                                                        "tokenizer": options.tokenizer.file or "trained"})
     storage.write_text(storage.join(text_plan.root, MANIFEST), manifest.to_json())
     log(f"data: text prepared at {text_plan.root} ({manifest.rows('train')} train, {manifest.rows('validation')} "
         f"validation rows of {text_plan.width} tokens; vocabulary {manifest.spec['vocab_size']})")
@@ -355,9 +317,3 @@ def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = prin
 def _files_option(options: TextOptions, split: str) -> str:
     """The option that names a split's files."""
     return "validation_path" if split == "validation" and options.validation_path is not None else "path"
-
-
-def _ray_initialized() -> bool:
-    import sys
-
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()

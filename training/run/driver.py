@@ -71,6 +71,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
     preflight.check_tracking(job, paths, record)
     if record is not None and record.dataset:  # data read in place must be what the run started on
+        from training.data import transform
         from training.data.external import check_unchanged
 
         check_unchanged(record.dataset.get("root"), job.data.options)
@@ -78,27 +79,34 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
             from training.data import text
 
             text.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache)
+        elif transform.plugin_specs(job.data):  # and data to transform, the data and function it came from
+            transform.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache)
     largest = maximum_resources()  # None: no launcher config on this machine
     checks = preflight.job_checks(job, paths)
-    # Text to tokenize on the cluster is prepared inside the Ray session the fit then uses. The
-    # checks of the text itself (paths, options, tokenizer, splits: text.plan) are made here first,
-    # without Ray; the job's checks on the data (rows, the model's shapes) once it is tokenized.
-    on_cluster = job.data.source == "text" and _text_wants_cluster(job, paths)
+    # Text to tokenize or Parquet to transform on the cluster is prepared inside the Ray session the
+    # fit then uses. The checks of the input itself (paths, options, tokenizer or function, splits:
+    # text.plan, transform.plan) are made here first, without Ray; the job's checks on the data
+    # (rows, the model's shapes) once it is prepared.
+    from training.data.prepare import wants_cluster
+
+    on_cluster = wants_cluster(job.data, paths.data_cache)
     manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log)
     # (after the checks above, which import no Ray: a leftover local cluster that cannot be joined)
     check_recorded_cluster()
     with ExitStack() as session:
         if on_cluster:
-            session.enter_context(ray_session(job.model.name, job.data.source))
+            session.enter_context(ray_session(*plugin_specs(job)))
             manifest = preflight.prepare_checked(job.data, paths, checks, log)
         return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
                     initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 
 
-def _text_wants_cluster(job: JobConfig, paths: RunPaths) -> bool:
-    from training.data import text
+def plugin_specs(job: JobConfig) -> list[str]:
+    """The job's plug-ins that Ray ships to the cluster when they are local source: the model's, the
+    data source's, the data transform's."""
+    from training.data import transform
 
-    return text.wants_cluster(text.plan(job.data, paths.data_cache))
+    return [job.model.name, job.data.source, *transform.plugin_specs(job.data)]
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
@@ -133,7 +141,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
 
     watch = RunWatch.start(name, paths, tracker, targets, log)
     try:
-        with ray_session(job.model.name, job.data.source):
+        with ray_session(*plugin_specs(job)):
             import ray
 
             timings["ray_ready"] = time.time()

@@ -17,7 +17,11 @@ def dataset_inputs(manifest) -> list:
     from training.data.external import is_external
 
     name = manifest.source.split(":")[-1]
-    if is_external(manifest):  # read in place: the data's own location
+    if manifest.origin is not None:  # prepared from other data (text tokenized, Parquet transformed)
+        source_type = "parquet"
+        source = redact(json.dumps({"uri": json.dumps(manifest.origin.get("path")), "prepared": manifest.root,
+                                    **{k: v for k, v in manifest.origin.items() if k in ("transform", "tokenizer")}}))
+    elif is_external(manifest):  # read in place: the data's own location
         where = manifest.options.get("path")
         source_type, source = "parquet", json.dumps({"uri": redact(json.dumps(where)), "index": redact(manifest.root)})
     else:
