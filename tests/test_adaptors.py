@@ -197,6 +197,7 @@ def test_ray_gcs_answers_the_session_name_probe_with_its_session_directory(ray_c
     assert os.path.isdir(node.get_session_dir_path())
 
 
+@pytest.mark.ray
 def test_ray_train_report_barrier_is_released_by_a_replica_group_replacement(ray_cluster):
     """failure.mode continue relies on it (README "Continuous training"): a survivor waiting in
     `ray.train.report`'s barrier for a peer that died is released when the controller replaces

@@ -1,12 +1,15 @@
-"""Integration: a PBT sweep with parallel.strategy: fsdp on a local Ray cluster of 2 CPUs, through
-to an exploit: the exploited trial continues from the donor's sharded checkpoint, rebased onto its
-own hyperparameters. The same shape as the PBT test in test_tuning_ray.py, on digits (the smallest
-model fsdp takes: only the root is sharded), one worker per trial."""
+"""Integration: a PBT sweep on a local Ray cluster of 2 CPUs, through to an exploit: the exploited
+trial continues from the donor's checkpoint, rebased onto its own hyperparameters, tracked as one
+MLflow child run per trial. The trials train with parallel.strategy: fsdp, the harder of the two
+checkpoint layouts (sharded); the rebase itself is tested on both layouts without Ray
+(test_checkpoint_format.py). On digits (the smallest model fsdp takes: only the root is sharded),
+one worker per trial."""
 
 import json
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from conftest import REPO, first_exploit
 from training.checkpoint import format as ckpt
@@ -79,3 +82,11 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
         return json.loads((checkpoint / ckpt.META_FILE).read_text())["metrics"]["val_accuracy"]
 
     assert accuracy(own[0]) >= accuracy(donors[0]) - 0.05
+    trial_id = seed_run.name[len("pbt-"):-len(f"-x{step}")]
+    row = next(r for r in summary.rows if r.trial_id == trial_id)
+    assert row.last >= accuracy(donors[0]) - 0.05
+    client = MlflowClient(summary.tracking_uri)
+    experiment = client.get_experiment_by_name("sweeps")
+    children = client.search_runs([experiment.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{summary.parent_run_id}'")
+    assert len(children) == 2  # one child per trial, exploits included

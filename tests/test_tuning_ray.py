@@ -1,14 +1,11 @@
 """Integration: sweeps on a local Ray cluster of 2 CPUs, every trial a real training run, tracked in a
 real MLflow store. More trials than fit at once, so a stopped trial that kept its workers would hang
-the sweep (each test has a timeout)."""
-
-import json
+the sweep (each test has a timeout). PBT's exploit: tests/test_pbt_sharded.py."""
 
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO, first_exploit
+from conftest import REPO
 from tuning import config as sweep_config
 from tuning.resources import orphaned_groups
 from tuning.sweep import run_sweep
@@ -91,47 +88,3 @@ def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(
     assert version.run_id == summary.best.mlflow_run_id
     assert str(summary.registered["version"]) == str(version.version)
     assert version.tags["tune.trial_id"] == summary.best.trial_id
-
-
-# Synchronous PBT: a trial that reaches step 100 first waits (paused) for the other, so the one
-# exploit comes at step 100 whatever the trials' start times. (Asynchronous, it came only if the
-# later trial had a score before the earlier one passed its last interval: on a loaded machine it
-# sometimes had none.) 50 steps are left to train after it; none comes at 200.
-MAX_STEPS = 150
-
-
-@pytest.mark.timeout(420)
-def test_pbt_exploit_continues_from_the_donors_weights(ray_cluster, workdir):
-    body = ("space:\n  optim.lr: {grid: [0.00001, 0.03]}\n"
-            "scheduler: {name: pbt, perturbation_interval_steps: 100, quantile_fraction: 0.5, "
-            "resample_probability: 1.0, synch: true}\nnum_samples: 1\n")
-    sweep = sweep_config.load(write_sweep(workdir, body, [f"train.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=20",
-                                                          "checkpoint.keep=20"]), name="pbt")
-    summary = run_sweep(sweep)
-    assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
-
-    runs = workdir / "runs"
-    seed_run, step = first_exploit(runs, MAX_STEPS)
-    seed = torch.load(seed_run / "seed" / "state.pt", weights_only=True)
-    donors = [p for p in runs.iterdir() if p.name.startswith("pbt-") and not p.name.startswith(seed_run.name[:-len(
-        f"-x{step}")]) and (p / f"checkpoint-{step:08d}" / "state.pt").is_file()]
-    assert donors, "no other trial's checkpoint at the exploit step"
-    donor_state = torch.load(donors[0] / f"checkpoint-{step:08d}" / "state.pt", weights_only=True)
-    # the seed is the donor's checkpoint at that step: the same weights, bit for bit
-    assert all(torch.equal(seed["model"][k], v) for k, v in donor_state["model"].items())
-    assert seed["loop"]["step"] == step
-    # and the new run continued from it: its first checkpoint is after the donor's step, not from 0
-    own = sorted(p.name for p in seed_run.glob("checkpoint-*"))
-    assert own and int(own[0].split("-")[1]) > step
-    # where the donor was, not back at chance (the trial's history also holds the old run's report
-    # that triggered the exploit, at a later step: read the new run's own checkpoint)
-    def accuracy(checkpoint):
-        return json.loads((checkpoint / "meta.json").read_text())["metrics"]["val_accuracy"]
-
-    donor_accuracy = accuracy(donors[0] / f"checkpoint-{step:08d}")
-    assert accuracy(seed_run / own[0]) >= donor_accuracy - 0.05
-    trial_id = seed_run.name[len("pbt-"):-len(f"-x{step}")]
-    row = next(r for r in summary.rows if r.trial_id == trial_id)
-    assert row.last >= donor_accuracy - 0.05
-    client = MlflowClient(summary.tracking_uri)
-    assert len(children_of(client, summary.parent_run_id)) == 2  # one child per trial, exploits included
