@@ -40,12 +40,13 @@ setup: $(STAMP)
 run: setup
 	$(PY) -m training $(CONFIG) $(ARGS)
 
-# Three workers: two each take one group of Ray tests and run it in order, one test at a time (those
-# that start their own Ray; the quick bench with the tests on the shared cluster: tests/conftest.py
-# groups them), the third the tests without Ray meanwhile. Never more than two Ray tests at once.
-# (--no-loadscope-reorder: in the order collected, the Ray groups first.)
+# Two workers: first they share the tests without Ray, then each takes one group of Ray tests and
+# runs it in order, one test at a time: those that start their own Ray, and the quick bench with the
+# tests on the shared cluster (tests/conftest.py groups them). Never more than two Ray tests at once.
+# (--no-loadscope-reorder: in the order collected, not the largest groups first, which would start
+# both Ray groups at once and leave the tests without Ray until one of them ends.)
 test: setup
-	$(PY) -m pytest -n 3 --dist loadgroup --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 bench: setup
 	$(PY) -m bench $(ARGS)

@@ -97,9 +97,9 @@ def recovery(quick: bool) -> dict:
     from training.run.paths import resolve_paths
 
     # A full run trains ~2.5 minutes, so two failures land, against a failure-free twin of the same
-    # steps; two pairs. Quick: one pair, the kill 1 s after the first checkpoint (step 100), well
+    # steps; two pairs. Quick: one pair, the kill 1 s after the first checkpoint (step 60), well
     # before the end (with 5 s it came at the last step once).
-    interval_s, steps, max_kills, every, rounds = (1.0, 400, 1, 100, 1) if quick else (60.0, 24000, 100, 500, 2)
+    interval_s, steps, max_kills, every, rounds = (1.0, 240, 1, 60, 1) if quick else (60.0, 24000, 100, 500, 2)
     overrides = [f"train.eval_every_n_steps={steps // 10}", f"checkpoint.every_n_steps={every}",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",

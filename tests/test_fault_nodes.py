@@ -96,41 +96,52 @@ def loss_history(workdir, name):
 
 
 
-def assert_system_metrics_from_both_nodes(workdir, run):
+def expected_digests(workdir, steps: int, seed: int = 0) -> dict[int, int]:
+    """step -> the data digest a run of these global batches of 32 has after that step, computed here
+    from the prepared data alone (at world size 1: the digest is the same at any size)."""
+    from training.data.loader import DIGEST_MODULUS, BatchPlan, batch_digest
+    from training.data.prepare import Manifest
+    from training.data.readers import train_batches
+
+    (root,) = (workdir / "runs" / "datasets").glob("digits-*")
+    shard = train_batches(Manifest.load(str(root)), BatchPlan(32, 1, 0), seed)
+    total, digests = 0, {}
+    for step in range(steps):
+        shard.batch(step)
+        total = (total + batch_digest(step, shard.sample_ids(step))) % DIGEST_MODULUS
+        digests[step + 1] = total
+    return digests
+
+
+def assert_system_metrics_from_every_node(workdir, run):
     """Each node's series under its own prefix, as MLflow's System metrics tab groups them: the
-    node's, and the memory of the worker it ran."""
+    node's, and the memory of the workers it ran; every node alive now among them."""
     import ray
     from mlflow.tracking import MlflowClient
 
     from training.observe.system import node_label
 
     nodes = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}
-    assert nodes == {node_label(n["NodeID"]) for n in ray.nodes() if n["Alive"]}, run.data.metrics.keys()
+    assert nodes >= {node_label(n["NodeID"]) for n in ray.nodes() if n["Alive"]}, run.data.metrics.keys()
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     for node in nodes:
         for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes", "disk_usage_percentage",
                      "network_receive_megabytes_per_s"):
             history = client.get_metric_history(run.info.run_id, f"system/{node}/{name}")
             assert len(history) >= 3 and all(m.value >= 0 for m in history), (node, name)
-        (rss,) = [key for key in run.data.metrics if key.startswith(f"system/{node}/worker_")]
-        assert rss.endswith("_rss_megabytes")  # one worker per node
-        assert all(100 < m.value < 20_000 for m in client.get_metric_history(run.info.run_id, rss))  # MB
+        rss = [key for key in run.data.metrics if key.startswith(f"system/{node}/worker_")]
+        assert rss and all(key.endswith("_rss_megabytes") for key in rss)  # (a rank per group it ran in)
+        assert all(100 < m.value < 20_000 for key in rss for m in client.get_metric_history(run.info.run_id, key))  # MB
 
 
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     ensure_two_nodes(cluster)
     # 1600 steps: the group regrows at about step 400-1000 (20 steps/s, restarts of 20-40 s), with
-    # hundreds of steps left to train at 2 workers again
-    steps = ["train.max_steps=1600", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200"]
-    # (the reference reports every 50 steps, not 10: it trains faster, and the curves are compared at
-    # the steps both logged)
-    # (and system metrics every second, from both nodes)
-    fixed = run_training(config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
-        "scaling.num_workers=2", "train.log_every_n_steps=50", "tracking.system_metrics_interval_s=1"],
-        name="fixed"), log=print)
-    assert_system_metrics_from_both_nodes(workdir, loss_history(workdir, "fixed")[1])  # (the nodes of now)
-    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + steps + [
-        "scaling.num_workers=[1,2]", "scaling.resize_check_interval_s=2", "failure.max_failures=3"], name="elastic")
+    # hundreds of steps left to train at 2 workers again. System metrics every second, from each node.
+    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
+        "train.max_steps=1600", "checkpoint.every_n_steps=200", "train.eval_every_n_steps=200",
+        "scaling.num_workers=[1,2]", "scaling.resize_check_interval_s=2", "failure.max_failures=3",
+        "tracking.system_metrics_interval_s=1"], name="elastic")
     run_dir = workdir / "runs" / "elastic"
     thread, outcome = run_in_thread(job)
 
@@ -146,22 +157,19 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"].steps == 1600
 
-    # One global batch of 32 at every world size: the same data order, so the same loss curve
-    # (up to float summation order, which differs with the number of workers).
-    expected, _ = loss_history(workdir, "fixed")
-    actual, run = loss_history(workdir, "elastic")
+    _, run = loss_history(workdir, "elastic")
     sizes = {int(m.value) for m in __import__("mlflow").tracking.MlflowClient(
         f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, "world_size")}
     assert sizes == {1, 2}
-    late = [s for s in expected if s > 800 and s in actual]
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
-    assert abs(mean([actual[s] for s in late]) - mean([expected[s] for s in late])) < 0.1 * mean([expected[s] for s in late]) + 0.01
-    assert abs(outcome["summary"].metrics["val_accuracy"] - fixed.metrics["val_accuracy"]) < 0.03
-    # and exactly the same global batches, step for step, through the shrink and the regrowth
-    assert outcome["summary"].metrics["data_digest"] == fixed.metrics["data_digest"]
-    digests = {name: digest_history(workdir, name) for name in ("fixed", "elastic")}
-    common = set(digests["fixed"]) & set(digests["elastic"])
-    assert len(common) >= 30 and all(digests["fixed"][s] == digests["elastic"][s] for s in common)
+    assert outcome["summary"].metrics["val_accuracy"] >= 0.9
+    # One global batch of 32 at every world size: exactly the global batches of the data order, step
+    # for step, through the shrink and the regrowth (each logged digest against the one computed
+    # here from the data alone; a fixed-size run logs the same: tests/test_parquet_run.py)
+    expected = expected_digests(workdir, 1600)
+    logged = digest_history(workdir, "elastic")
+    assert len(logged) >= 100 and all(logged[s] == expected[s] for s in logged)
+    assert outcome["summary"].metrics["data_digest"] == expected[1600]
+    assert_system_metrics_from_every_node(workdir, run)  # (the lost node's, the new one's, the head's)
 
 
 def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
