@@ -155,6 +155,11 @@ def cached(root: str, check, log: Callable[[str], None], what: str) -> Optional[
     return manifest
 
 
+def same_dataset(recorded_root: str, root: str) -> bool:
+    """Whether a run's recorded dataset folder is the one its inputs give now (the same key)."""
+    return recorded_root.rstrip("/").rsplit("/", 1)[-1] == root.rstrip("/").rsplit("/", 1)[-1]
+
+
 def decide_where(run_on: str, pending_bytes: int, cluster_up: bool) -> str:
     """'cluster' (a Ray Data pipeline) or 'driver' (a file at a time, in this process)."""
     if run_on == "driver" or pending_bytes == 0:

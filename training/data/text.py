@@ -32,7 +32,7 @@ from pydantic import Field, ValidationError, model_validator
 from training import storage
 from training.config import DataConfig
 from training.data import parquet
-from training.data.prepare import decide_where, do_file_tasks, pending_bytes
+from training.data.prepare import decide_where, do_file_tasks, pending_bytes, same_dataset
 from training.data.tokenize import DataError, FileTask, format_of, is_done, rows_per_group, tokenize_file
 from training.data.tokenizer import hash_rank, load_tokenizer, tokenizer_of
 from training.errors import ConfigError, UserError
@@ -228,7 +228,7 @@ def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: 
     key (re-tokenizing changed text would silently train the rest of the run on other rows)."""
     if not recorded_root:
         return
-    if plan(data, cache_root).root.rsplit("/", 1)[-1] != recorded_root.rstrip("/").rsplit("/", 1)[-1]:
+    if not same_dataset(recorded_root, plan(data, cache_root).root):
         raise UserError("data.options.path: the text changed since the run started (a file new, gone, or with another "
                         "size or modification time, or another tokenizer file): resuming would train on other rows; "
                         "restore it, or start a new run (--name)")

@@ -218,10 +218,9 @@ def _read_group(reader: pq.ParquetFile, group: int, transform: TransformOptions,
 
 
 def transform_file(task: FileTask, partition: dict[str, str], transform: TransformOptions, columns: list[str],
-                   function: Optional[Callable] = None) -> dict:
-    """Transform one file a row group at a time and write it; its counts, or {"error": message}
-    (nothing of this file is left behind then)."""
-    function = function or load_callable(transform.function, FIELD)
+                   function: Callable) -> dict:
+    """Transform one file a row group at a time with `function` and write it; its counts, or
+    {"error": message} (nothing of this file is left behind then)."""
     final, empty = done_paths(task.folder, task.uri)
     fs, _ = storage.filesystem(final)
     _, tmp_path = storage.filesystem(storage.join(task.folder, "." + final.rsplit("/", 1)[-1] + ".tmp"))
@@ -323,7 +322,9 @@ def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: 
     """A resumed run's input and function must be those it started with: they give the same key."""
     if not recorded_root:
         return
-    if plan(data, cache_root).root.rsplit("/", 1)[-1] != recorded_root.rstrip("/").rsplit("/", 1)[-1]:
+    from training.data.prepare import same_dataset
+
+    if not same_dataset(recorded_root, plan(data, cache_root).root):
         raise UserError("data.options.path: the input data or the transform's module changed since the run started (a file "
                         "new, gone, or with another size or modification time; other code in the function's module): "
                         "resuming would train on other rows; restore them, or start a new run (--name)")
