@@ -1,4 +1,4 @@
-"""Every private MLflow API this project uses, in one place (driver and Train controller).
+"""Every private MLflow API this project uses, in one place (driver, Train controller, workers).
 
 MLflow's client retries a failed request with backoff for minutes; a tracking outage must never
 stall training, so the tracker sends each request once, with a short timeout, through MLflow's own
@@ -39,3 +39,21 @@ def update_run_message(run_id: str, status: str, end_time_ms: int):
     from mlflow.protos.service_pb2 import UpdateRun
 
     return UpdateRun(run_id=run_id, run_uuid=run_id, status=RunStatus.from_string(status), end_time=end_time_ms)
+
+
+def node_monitor_classes() -> list[tuple[str, type]]:
+    """MLflow's system-metric monitors for a node (CPU and memory, disk, network): each has
+    `collect_metrics`, `aggregate_metrics` and `clear_metrics`, and names its metrics as MLflow's
+    System metrics tab shows them (training/observe/system.py samples with them on workers)."""
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    return [("cpu", CPUMonitor), ("disk", DiskMonitor), ("network", NetworkMonitor)]
+
+
+def gpu_monitor_class() -> type:
+    """MLflow's GPU monitor (NVML through nvidia-ml-py); constructing it fails without a GPU."""
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+    return GPUMonitor

@@ -69,18 +69,15 @@ def _mlflow_monitor(cls) -> Callable[[], dict]:
 def node_monitors() -> list[tuple[str, Callable[[], dict]]]:
     """MLflow's monitors for a node (the GPU's only where NVML is installed and finds a GPU), and
     the throughput one."""
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
     import psutil
 
-    psutil.cpu_percent()  # the first call starts the count that the CPU monitor's first sample reads
-    monitors = [("cpu", _mlflow_monitor(CPUMonitor)), ("disk", _mlflow_monitor(DiskMonitor)),
-                ("network", _mlflow_monitor(NetworkMonitor)), ("throughput", Throughput().sample)]
-    try:
-        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+    from training.adaptors import mlflow_private
 
-        monitors.append(("gpu", _mlflow_monitor(GPUMonitor)))
+    psutil.cpu_percent()  # the first call starts the count that the CPU monitor's first sample reads
+    monitors = [(name, _mlflow_monitor(cls)) for name, cls in mlflow_private.node_monitor_classes()]
+    monitors.append(("throughput", Throughput().sample))
+    try:
+        monitors.append(("gpu", _mlflow_monitor(mlflow_private.gpu_monitor_class())))
     except Exception:  # no nvidia-ml-py, or no GPU: those series are simply missing
         pass
     return monitors
