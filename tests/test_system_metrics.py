@@ -71,6 +71,34 @@ def test_the_sampler_thread_samples_at_its_interval_and_stops():
     assert sampler.take() == []  # stopped
 
 
+def test_a_workers_monitors_are_built_one_interval_in_not_before_its_first_step():
+    built = []
+
+    def build():
+        built.append(time.monotonic())
+        return [("count", lambda: {"x": 1.0})]
+
+    started = time.monotonic()
+    sampler = SystemSampler(0.2, "n", build)
+    sampler.start()
+    assert built == [] and sampler.take() == []  # nothing built while the worker gets to its first step
+    time.sleep(0.7)
+    sampler.stop()
+    assert len(built) == 1 and built[0] - started >= 0.2
+    assert 1 <= len(sampler.take()) <= 3  # samples from the interval after the build on
+
+    warned = []
+
+    def broken():
+        raise ImportError("no module named mlflow")
+
+    failing = SystemSampler(0.05, "n", broken, warn=warned.append)
+    failing.start()
+    time.sleep(0.3)
+    failing.stop()
+    assert failing.take() == [] and len(warned) == 1 and "system metrics are off" in warned[0]
+
+
 def test_sampling_off_builds_no_sampler():
     assert SystemSampler.for_worker(0, "ab12cd34ef56", 0) is None
 

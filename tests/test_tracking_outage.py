@@ -359,9 +359,14 @@ def test_a_training_run_survives_mlflow_killed_and_restarted(server, ray_cluster
     reported = list(range(10, max_steps + 1, 10))
     assert steps_of(client, run.info.run_id, "train_loss") == reported  # every report, exactly once
     assert steps_of(client, run.info.run_id, "samples_per_s") == reported
+    assert summary.extra.get("mlflow_model_logged", True), text[-3000:]
+    model = client.get_logged_model(summary.extra["model_id"])  # the model the run's end logged
+    assert (model.source_run_id, model.experiment_id) == (run.info.run_id, run.info.experiment_id)
+    assert summary.registered_model and client.get_model_version(
+        summary.registered_model, summary.extra["registered_version"]).run_id == run.info.run_id
     logged = client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                          filter_string=f"source_run_id = '{run.info.run_id}'")
-    assert len(logged) == 1 and summary.registered_model
+    assert [m.model_id for m in logged] == [model.model_id], (logged, text[-3000:])
     assert not (workdir / "runs" / "outage" / BACKLOG_FILE).exists()
     print(f"run {ended - started:.0f} s; MLflow killed at {events['killed'] - started:.0f} s, "
           f"answering again at {events['back'] - started:.0f} s")

@@ -98,10 +98,15 @@ class SystemSampler:
     last call, each {"time_s", "node", "node_values", "worker_values"}. A monitor that raises is
     dropped with a warning."""
 
-    def __init__(self, interval_s: float, node: str, monitors: list[tuple[str, Callable[[], dict]]],
+    def __init__(self, interval_s: float, node: str,
+                 monitors: list[tuple[str, Callable[[], dict]]] | Callable[[], list[tuple[str, Callable[[], dict]]]],
                  warn: Callable[[str], None] = lambda line: warnings.warn(line, stacklevel=2)):
+        """`monitors`, or a function that builds them: then the sampling thread calls it one
+        interval in and samples from the next interval on, so that building them (importing
+        MLflow: ~1.6 s of CPU) is not between a worker's start and its first step."""
         self.interval_s, self.node, self.warn = interval_s, node, warn
-        self._monitors = list(monitors)
+        self._build = monitors if callable(monitors) else None
+        self._monitors = [] if callable(monitors) else list(monitors)
         self._held: list[dict] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,15 +118,19 @@ class SystemSampler:
         sampler that cannot even be built is a warning, and the run trains without one."""
         if not interval_s:
             return None
-        try:
-            monitors = node_monitors() + [process_monitor(rank)]
-            sampler = cls(interval_s, node_label(node_id), monitors,
-                          warn=lambda line: print(f"warning: {line}", flush=True))
-        except Exception as exc:  # noqa: BLE001 (never a training failure)
-            print(f"warning: system metrics are off on this worker: {type(exc).__name__}: {exc}", flush=True)
-            return None
+        sampler = cls(interval_s, node_label(node_id), lambda: node_monitors() + [process_monitor(rank)],
+                      warn=lambda line: print(f"warning: {line}", flush=True))
         sampler.start()
         return sampler
+
+    def build_monitors(self) -> None:
+        """Build the monitors from the function given; one that fails turns sampling off with a
+        warning (never a training failure)."""
+        build, self._build = self._build, None
+        try:
+            self._monitors = build()
+        except Exception as exc:  # noqa: BLE001
+            self.warn(f"system metrics are off on this worker: {type(exc).__name__}: {exc}")
 
     def sample_now(self) -> None:
         values: dict = {"node_values": {}, "worker_values": {}}
@@ -146,7 +155,10 @@ class SystemSampler:
     def start(self) -> None:
         def loop():
             while not self._stop.wait(self.interval_s):
-                self.sample_now()
+                if self._build is not None:
+                    self.build_monitors()
+                else:
+                    self.sample_now()
 
         self._thread = threading.Thread(target=loop, name="system-metrics", daemon=True)
         self._thread.start()

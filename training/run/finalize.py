@@ -73,8 +73,9 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
             raise RuntimeError("the model could not be exported with torch.export for tracking.model_format pt2; "
                                "set tracking.model_format: pickle to log it as a pickle (loading one runs code) "
                                f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
-    return {"model_uri": info.model_uri, "registered_model": name, "model_format": model_format,
-            "registered_version": getattr(info, "registered_model_version", None)}
+    version = getattr(info, "registered_model_version", None)  # None unless MLflow registered it
+    return {"model_uri": info.model_uri, "model_id": info.model_id, "model_format": model_format,
+            "registered_model": name if version is not None else None, "registered_version": version}
 
 
 def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
