@@ -136,6 +136,8 @@ def ratios(rows_: dict) -> dict:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:
         found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
+    if rows_.get("recovery", {}).get("kill_to_next_step_vs_plain_ray_train") is not None:
+        found["restart_kill_to_next_step_vs_plain_ray_train"] = rows_["recovery"]["kill_to_next_step_vs_plain_ray_train"]
     if rows_.get("continuous", {}).get("kill_to_next_step_s_median") is not None:
         found["continuous_kill_to_survivor_next_step_s"] = rows_["continuous"]["kill_to_next_step_s_median"]
         found["continuous_val_loss_vs_failure_free_twin"] = rows_["continuous"]["val_loss_chaos_vs_twin"]["ratio_median"]

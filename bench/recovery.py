@@ -1,10 +1,12 @@
 """Recovery row: a digits run with a Ray Train worker SIGKILLed every `interval_s`, against the same
-run with no failures, in the same Ray cluster. Measured from the run's own metrics in MLflow:
-- kill -> next step: seconds from each kill to the first step of the restarted worker group;
+run with no failures, and against a plain Ray Train loop under the same kills, in the same Ray
+cluster. Measured from the run's own metrics in MLflow:
+- kill -> next step: seconds from each kill to the first step of the restarted worker group; the
+  plain Ray Train loop's (bench/baseline_raytrain.py) beside it, the floor a restart cannot beat;
 - steps lost: the step the run had reached at the kill minus the step the new group resumed from;
 - efficiency: failure-free wall time / wall time with failures, for the same steps: a real
-  failure-free twin of the same run, interleaved with the chaotic one (twin, chaos, twin, chaos),
-  as per-pair ratios with their median, min and max.
+  failure-free twin of the same run, interleaved with the chaotic one (twin, chaos, plain, twin,
+  chaos, plain), as per-pair ratios with their median, min and max.
 A failure comes `interval_s` of training after the previous recovery (60 s in a full run)."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import interleaved, median, paired_ratios, service_job
+from bench.common import median, paired_ratios, service_job
 
 
 def train_worker_pids() -> list[int]:
@@ -44,25 +46,38 @@ def _newest_checkpoint(run_dir: Path) -> int:
     return newest[0] if newest else -1
 
 
-def _killer(run_dir: Path, interval_s: float, stop: threading.Event, kills: list[float], max_kills: int,
+def _killer(progress, interval_s: float, stop: threading.Event, kills: list[float], max_kills: int,
             seed: int = 0) -> None:
     """Kill a random training worker `interval_s` after the worker group (re)started training (seen
-    by its first new checkpoint), up to max_kills times."""
+    by its first new checkpoint: `progress()`, the newest checkpoint's step), up to max_kills times."""
     rng, seen = random.Random(seed), -1
     while len(kills) < max_kills:
-        while _newest_checkpoint(run_dir) <= seen:  # wait for the (new) group to train
+        while progress() <= seen:  # wait for the (new) group to train
             if stop.wait(0.2):
                 return
         if stop.wait(interval_s):
             return
         pids = train_worker_pids()
         if pids:
-            seen = _newest_checkpoint(run_dir)
+            seen = progress()
             try:
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 kills.append(time.time())
             except ProcessLookupError:
                 pass
+
+
+def under_kills(train, progress, interval_s: float, max_kills: int):
+    """train() with a killer thread beside it; returns (its result, the kill times)."""
+    kills: list[float] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=_killer, args=(progress, interval_s, stop, kills, max_kills), daemon=True)
+    killer.start()
+    try:
+        return train(), kills
+    finally:
+        stop.set()
+        killer.join(timeout=5)
 
 
 def _metrics(summary) -> dict[str, list[tuple[int, float]]]:
@@ -93,20 +108,25 @@ def analyse(kills: list[float], metrics: dict) -> list[dict]:
 
 
 def recovery(quick: bool) -> dict:
+    from bench import baseline_raytrain
     from bench.common import run_service
+    from training.data.prepare import prepare
     from training.run.paths import resolve_paths
 
     # A full run trains ~2.5 minutes, so two failures land, against a failure-free twin of the same
-    # steps; two pairs. Quick: one pair, the kill 1 s after the first checkpoint (step 60), well
-    # before the end (with 5 s it came at the last step once).
-    interval_s, steps, max_kills, every, rounds = (1.0, 240, 1, 60, 1) if quick else (60.0, 24000, 100, 500, 2)
+    # steps; two rounds. Quick: one round, the kill 1 s after the first checkpoint (step 40), well
+    # before the end (with 5 s it came at the last step once). Each round: the twin, the service
+    # under kills, and a plain Ray Train loop (bench/baseline_raytrain.py) under the same kills.
+    interval_s, steps, max_kills, every, rounds = (1.0, 160, 1, 40, 1) if quick else (60.0, 24000, 100, 500, 2)
     overrides = [f"train.eval_every_n_steps={steps // 10}", f"checkpoint.every_n_steps={every}",
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
                  "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false",
                  f"train.max_steps={steps}"]
     per_kill: list[dict] = []
-    kills_total = [0]
+    plain_per_kill: list[dict] = []
+    kills_total = [0, 0]
+    clean_walls, chaos_walls, plain_walls = [], [], []
 
     def clean() -> float:
         summary, _ = run_service(service_job("digits.yaml", overrides, f"recovery-clean-{time.monotonic_ns()}"))
@@ -115,27 +135,44 @@ def recovery(quick: bool) -> dict:
     def chaos() -> float:
         name = f"recovery-chaos-{time.monotonic_ns()}"
         job = service_job("digits.yaml", overrides, name)
-        kills: list[float] = []
-        stop = threading.Event()
         run_dir = Path(resolve_paths(job, name).run_dir)
-        killer = threading.Thread(target=_killer, args=(run_dir, interval_s, stop, kills, max_kills), daemon=True)
-        killer.start()
-        try:
-            chaotic, _ = run_service(job)
-        finally:
-            stop.set()
-            killer.join(timeout=5)
+        (chaotic, _), kills = under_kills(lambda: run_service(job), lambda: _newest_checkpoint(run_dir),
+                                          interval_s, max_kills)
         per_kill.extend(analyse(kills, _metrics(chaotic)))
         kills_total[0] += len(kills)
         return chaotic.wall_s
 
-    clean_walls, chaos_walls = interleaved(clean, chaos, rounds)
+    def plain() -> float:
+        name = f"recovery-plain-{time.monotonic_ns()}"
+        job = service_job("digits.yaml", overrides, name)
+        run_dir = Path(resolve_paths(job, name).run_dir)
+        root = prepare(job.data, str(run_dir.parent / "datasets"), log=lambda _: None).root
+        events = run_dir.parent / f"{name}.events.jsonl"
+        wall, kills = under_kills(
+            lambda: baseline_raytrain.fit(root, events, str(run_dir.parent), name, job.model.name, job.model.options,
+                                          steps, every, job.train.global_batch_size, lr=job.optim.lr, seed=job.seed),
+            lambda: baseline_raytrain.newest_checkpoint(events), interval_s, max_kills)
+        plain_per_kill.extend(analyse(kills, baseline_raytrain.as_metrics(events)))
+        kills_total[1] += len(kills)
+        return wall
+
+    for _ in range(rounds):  # twin, service, plain Ray Train; again: a drift weighs on all alike
+        clean_walls.append(clean())
+        chaos_walls.append(chaos())
+        plain_walls.append(plain())
     efficiency = paired_ratios(clean_walls, chaos_walls)
+    ours = [k["kill_to_next_step_s"] for k in per_kill]
+    theirs = [k["kill_to_next_step_s"] for k in plain_per_kill]
     return {
         "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0], "recoveries_measured": len(per_kill),
-        "kill_to_next_step_s_median": median([k["kill_to_next_step_s"] for k in per_kill]) if per_kill else None,
+        "kill_to_next_step_s_median": median(ours) if ours else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
         "checkpoint_every_n_steps": every, "clean_wall_s": clean_walls, "chaos_wall_s": chaos_walls,
         "efficiency": efficiency["ratio_median"], "efficiency_pairs": efficiency,
         "per_kill": per_kill,
+        # the same kills of a plain Ray Train loop: the floor a restart cannot go under
+        "plain_ray_train": {"kills": kills_total[1], "recoveries_measured": len(plain_per_kill),
+                            "kill_to_next_step_s_median": median(theirs) if theirs else None,
+                            "kill_to_next_step_s": theirs, "wall_s": plain_walls, "per_kill": plain_per_kill},
+        "kill_to_next_step_vs_plain_ray_train": (median(ours) / median(theirs)) if ours and theirs else None,
     }

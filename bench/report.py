@@ -122,6 +122,14 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
         elif name == "recovery" and v:
             pairs = v.get("efficiency_pairs") or {"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
+            plain = v.get("plain_ray_train") or {}
+            if plain:
+                lines.append(f"| restart vs plain Ray Train | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s "
+                             f"vs {_f(plain['kill_to_next_step_s_median'], 1)} s (medians of {v['recoveries_measured']} "
+                             f"and {plain['recoveries_measured']}) | **{_f(v['kill_to_next_step_vs_plain_ray_train'])}** "
+                             f"(target <= 1) | the same kills of a plain Ray Train loop (TorchTrainer, DDP, a "
+                             f"checkpoint every {v['checkpoint_every_n_steps']} steps, bench/baseline_raytrain.py) in "
+                             f"the same run |")
             lines.append(f"| recovery | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "

@@ -63,4 +63,7 @@ def test_quick_bench_runs_the_fault_and_sweep_rows(tmp_path):
     rows = results["rows"]
     assert set(rows) == {"recovery", "sweep"}
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
-    assert "| recovery |" in table and "quick mode" in table
+    plain = rows["recovery"]["plain_ray_train"]  # the same kills of a plain Ray Train loop
+    assert plain["kills"] >= 1 and plain["recoveries_measured"] >= 1 and plain["kill_to_next_step_s_median"] > 0
+    assert rows["recovery"]["kill_to_next_step_vs_plain_ray_train"] > 0
+    assert "| recovery |" in table and "| restart vs plain Ray Train |" in table and "quick mode" in table

@@ -74,14 +74,15 @@ def dataset_key(data: DataConfig, content_digest: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifest:
+def prepare(data: DataConfig, cache_root: str, log=print, check=None, planned=None) -> Manifest:
     """Prepare `data` under `cache_root` unless an identical dataset is already there.
 
-    `check(task, spec, rows)`, if given, runs on the loaded source before anything is written."""
+    `check(task, spec, rows)`, if given, runs on the loaded source before anything is written;
+    `planned`: plan_input's plan of this data, if the caller has made it already."""
     if data.source == "parquet" and data.options.get("transform"):  # a plug-in's output, streamed like the input
         from training.data import transform
 
-        return transform.prepare(data, cache_root, log, check)
+        return transform.prepare(data, cache_root, log, check, transform_plan=planned)
     if data.source == "parquet":  # read where it is: only an index is written
         from training.data import external
 
@@ -89,7 +90,7 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     if data.source == "text":  # tokenized into Parquet that is streamed like the parquet source's
         from training.data import text
 
-        return text.prepare(data, cache_root, log, check)
+        return text.prepare(data, cache_root, log, check, text_plan=planned)
     source = load_source(data.source, data.options)
     if check is not None:
         check(source.task, source.spec, {name: table.num_rows for name, table in source.splits.items()})
@@ -128,19 +129,30 @@ def prepare(data: DataConfig, cache_root: str, log=print, check=None) -> Manifes
     return manifest
 
 
-def wants_cluster(data: DataConfig, cache_root: str) -> bool:
-    """Whether preparing `data` would run on a Ray cluster if one were up (text to tokenize, Parquet
-    to transform, enough of it): the driver then opens its Ray session before preparing. Makes every
-    check of those sources' input that needs no Ray (UserError)."""
+def plan_input(data: DataConfig, cache_root: str):
+    """The plan of a source whose input is prepared file by file (text to tokenize: text.TextPlan;
+    Parquet to transform: transform.TransformPlan), or None for the others. Planning lists the
+    input and makes every check of it that needs no Ray (UserError); a driver plans once and hands
+    the plan to wants_cluster, the resume check and prepare."""
     if data.source == "text":
         from training.data import text
 
-        return text.wants_cluster(text.plan(data, cache_root))
+        return text.plan(data, cache_root)
     if data.source == "parquet" and data.options.get("transform"):
         from training.data import transform
 
-        return transform.wants_cluster(transform.plan(data, cache_root))
-    return False
+        return transform.plan(data, cache_root)
+    return None
+
+
+def wants_cluster(planned) -> bool:
+    """Whether preparing the planned input (plan_input) would run on a Ray cluster if one were up
+    (enough of it not prepared yet): the driver then opens its Ray session before preparing."""
+    if planned is None:
+        return False
+    from training.data import text, transform
+
+    return (text.wants_cluster if isinstance(planned, text.TextPlan) else transform.wants_cluster)(planned)
 
 
 def cached(root: str, check, log: Callable[[str], None], what: str) -> Optional[Manifest]:

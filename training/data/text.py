@@ -223,12 +223,13 @@ def wants_cluster(text_plan: TextPlan) -> bool:
     return decide_where(text_plan.options.tokenize_on, pending, cluster_up=True) == "cluster"
 
 
-def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str) -> None:
+def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str,
+                    text_plan: Optional[TextPlan] = None) -> None:
     """A resumed run's text must be the text it started on: the same inputs and tokenizer give the same
     key (re-tokenizing changed text would silently train the rest of the run on other rows)."""
     if not recorded_root:
         return
-    if not same_dataset(recorded_root, plan(data, cache_root).root):
+    if not same_dataset(recorded_root, (text_plan or plan(data, cache_root)).root):
         raise UserError("data.options.path: the text changed since the run started (a file new, gone, or with another "
                         "size or modification time, or another tokenizer file): resuming would train on other rows; "
                         "restore it, or start a new run (--name)")

@@ -318,24 +318,26 @@ def wants_cluster(plan_: TransformPlan) -> bool:
     return decide_where(plan_.transform.run_on, pending_bytes(plan_.inputs, plan_.tasks()), cluster_up=True) == "cluster"
 
 
-def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str) -> None:
+def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str,
+                    transform_plan: Optional[TransformPlan] = None) -> None:
     """A resumed run's input and function must be those it started with: they give the same key."""
     if not recorded_root:
         return
     from training.data.prepare import same_dataset
 
-    if not same_dataset(recorded_root, plan(data, cache_root).root):
+    if not same_dataset(recorded_root, (transform_plan or plan(data, cache_root)).root):
         raise UserError("data.options.path: the input data or the transform's module changed since the run started (a file "
                         "new, gone, or with another size or modification time; other code in the function's module): "
                         "resuming would train on other rows; restore them, or start a new run (--name)")
 
 
-def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = print, check=None):
+def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = print, check=None,
+            transform_plan: Optional[TransformPlan] = None):
     """The Manifest of the transformed data (cached by key; resumed file by file if interrupted)."""
     from training.data.external import SOURCE
     from training.data.prepare import MANIFEST, Manifest, cached, do_file_tasks
 
-    transform_plan = plan(data, cache_root)
+    transform_plan = transform_plan or plan(data, cache_root)
     options = transform_plan.options
     manifest = cached(transform_plan.root, check, log, "transformed data")
     if manifest is not None:

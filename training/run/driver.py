@@ -70,33 +70,32 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
     preflight.check_tracking(job, paths, record)
+    from training.data import text, transform
+    from training.data.prepare import plan_input, wants_cluster
+
+    # Text to tokenize or Parquet to transform is planned once: its input listed and checked (paths,
+    # options, tokenizer or function, splits), without Ray.
+    planned = plan_input(job.data, paths.data_cache)
     if record is not None and record.dataset:  # data read in place must be what the run started on
-        from training.data import transform
         from training.data.external import check_unchanged
 
         check_unchanged(record.dataset.get("root"), job.data.options)
-        if job.data.source == "text":  # and text to tokenize must be the text it was tokenized from
-            from training.data import text
-
-            text.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache)
-        elif transform.plugin_specs(job.data):  # and data to transform, the data and function it came from
-            transform.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache)
+        if isinstance(planned, text.TextPlan):  # and text to tokenize must be the text it was tokenized from
+            text.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache, planned)
+        elif isinstance(planned, transform.TransformPlan):  # and data to transform, its data and function
+            transform.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache, planned)
     largest = maximum_resources()  # None: no launcher config on this machine
     checks = preflight.job_checks(job, paths)
-    # Text to tokenize or Parquet to transform on the cluster is prepared inside the Ray session the
-    # fit then uses. The checks of the input itself (paths, options, tokenizer or function, splits:
-    # text.plan, transform.plan) are made here first, without Ray; the job's checks on the data
-    # (rows, the model's shapes) once it is prepared.
-    from training.data.prepare import wants_cluster
-
-    on_cluster = wants_cluster(job.data, paths.data_cache)
-    manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log)
+    # What is prepared on the cluster is prepared inside the Ray session the fit then uses; the
+    # job's checks on the data (rows, the model's shapes) run once it is prepared.
+    on_cluster = wants_cluster(planned)
+    manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log, planned)
     # (after the checks above, which import no Ray: a leftover local cluster that cannot be joined)
     check_recorded_cluster()
     with ExitStack() as session:
         if on_cluster:
             session.enter_context(ray_session(*plugin_specs(job)))
-            manifest = preflight.prepare_checked(job.data, paths, checks, log)
+            manifest = preflight.prepare_checked(job.data, paths, checks, log, planned)
         return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
                     initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 

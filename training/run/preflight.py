@@ -21,12 +21,14 @@ from training.run.paths import RunPaths
 DataCheck = Callable[[str, dict, dict], None]
 
 
-def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Callable[[str], None] = print):
-    """Prepare (or find cached) the job's data, running `check` on it first; the Manifest."""
+def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Callable[[str], None] = print,
+                    planned=None):
+    """Prepare (or find cached) the job's data, running `check` on it first; the Manifest.
+    `planned`: the data's plan (training.data.prepare.plan_input), if made already."""
     from training.data.prepare import prepare
 
     try:
-        manifest = prepare(data, paths.data_cache, log=log, check=check)
+        manifest = prepare(data, paths.data_cache, log=log, check=check, planned=planned)
     except ValueError as exc:  # (the model's and the plug-ins' own errors are UserErrors naming their field)
         raise UserError(f"data ({data.source}): {exc}") from None
     check_shards(manifest)
