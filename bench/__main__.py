@@ -113,7 +113,7 @@ def ratios(rows_: dict) -> dict:
         found[f"overhead_ratio_{key}"] = value["overhead_ratio"]
     if "checkpoint" in rows_:
         for key in ("sync_step_overhead", "async_step_overhead", "write_throughput_ratio"):
-            if rows_["checkpoint"][key] is not None:  # (quick mode runs no async checkpoint)
+            if rows_["checkpoint"][key] is not None:  # (quick mode: neither stall is measured)
                 found[f"checkpoint_{key}"] = rows_["checkpoint"][key]
     for task, value in rows_.get("data_path", {}).items():
         found[f"data_loader_vs_raw_read_{task}"] = value["loader_vs_raw_read"]

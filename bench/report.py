@@ -59,7 +59,8 @@ def markdown(results: dict) -> str:
     if "checkpoint" in r:
         c = r["checkpoint"]
         asynchronous = "n/a" if c["async_step_overhead"] is None else f"{100 * c['async_step_overhead']:.1f}%"
-        lines.append(f"| checkpoint stall | sync {100 * c['sync_step_overhead']:.1f}%, async "
+        synchronous = "n/a" if c["sync_step_overhead"] is None else f"{100 * c['sync_step_overhead']:.1f}%"
+        lines.append(f"| checkpoint stall | sync {synchronous}, async "
                      f"{asynchronous} of throughput | — | tinylm 3.2M params, "
                      f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint "
                      "(all three evaluate at that cadence, as a scored checkpoint does) |")

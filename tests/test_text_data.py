@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, REPO
 from training.config import DataConfig
 from training.data import external, text
 from training.data.loader import BatchPlan
@@ -216,11 +216,13 @@ def test_tinylm_bpe_trains_on_the_standard_library_and_logs_its_tokenizer(ray_cl
                  "data.options.max_bytes=300000", "data.options.tokenizer.train.sample_bytes=300000",
                  "data.options.tokenizer.train.vocab_size=512", "data.options.partitions=2", "failure.max_failures=0",
                  "tracking.register_model=false", "tracking.export_onnx=false",
-                 "data.options.tokenize_on=cluster"]  # (auto would tokenize this little text in the driver)
+                 "data.options.tokenize_on=cluster",  # (auto would tokenize this little text in the driver)
+                 f"tracking.cluster_config={REPO / 'cluster.yaml'}"]  # as if it ran on that cluster
     job = config_lib.load(CONFIGS / "tinylm_bpe.yaml", overrides, name="tinylm-bpe")
     lines = []
     summary = run_training(job, log=lambda line: (lines.append(line), print(line)))
     assert summary.steps == 30 and summary.metrics["world_size"] == 2
+    assert summary.metrics["val_perplexity"] < 512 and summary.metrics["tokens_per_s"] > 0  # better than uniform
     assert any("on the cluster (Ray Data)" in line for line in lines)
     (root,) = (workdir / "runs" / "datasets").glob("text-*")
     in_driver = text.prepare(job.data.model_copy(update={"options": {**job.data.options, "tokenize_on": "driver"}}),
@@ -232,6 +234,10 @@ def test_tinylm_bpe_trains_on_the_standard_library_and_logs_its_tokenizer(ray_cl
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(saved).get_vocab_size() == 512
+    run = client.get_run(summary.mlflow_run_id)
+    assert client.get_metric_history(run.info.run_id, "val_perplexity")
+    assert run.data.metrics["cluster_cost_usd_estimate"] > 0  # the head's time
+    assert run.data.metrics["cluster_gpu_energy_kwh_estimate"] == 0  # CPU workers: no GPU node priced
 
 
 def test_the_command_refuses_bad_text_input_with_exit_2_before_ray(tmp_path):

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 # The second trial is long enough that the kill lands mid-run while MLflow catches up with its first
 # checkpoints; the first, which only has to finish before it, is short (a grid runs in its order,
 # one trial at a time here).
-FIRST_STEPS, STEPS = 100, 1000
+FIRST_STEPS, STEPS = 100, 500
 SWEEP = f"""base: {REPO / 'training' / 'configs' / 'digits.yaml'}
 set: [train.eval_every_n_steps=20, checkpoint.every_n_steps=20, train.log_every_n_steps=10,
       train.min_report_interval_s=0, tracking.experiment=sweeps]
