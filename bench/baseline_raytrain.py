@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def train_loop(config: dict) -> None:
+    started = time.time()  # the train function starts on a (new) worker group
     import os
     import tempfile
 
@@ -72,7 +73,7 @@ def train_loop(config: dict) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step == start:
-            event(first_step_time=time.time(), start_step=start)
+            event(first_step_time=time.time(), start_step=start, worker_start_time=started)
         done = step + 1
         if done % config["every"] == 0 or done == steps:
             with tempfile.TemporaryDirectory() as folder:
@@ -120,4 +121,5 @@ def as_metrics(events: Path) -> dict[str, list[tuple[int, float]]]:
     starts = [e for e in found if "first_step_time" in e]
     return {"wall_time": [(e["checkpoint_step"], e["time"]) for e in found if "checkpoint_step" in e],
             "first_step_time": [(e["start_step"], e["first_step_time"]) for e in starts],
-            "start_step": [(e["start_step"], e["start_step"]) for e in starts]}
+            "start_step": [(e["start_step"], e["start_step"]) for e in starts],
+            "worker_start_time": [(e["start_step"], e["worker_start_time"]) for e in starts]}

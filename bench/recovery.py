@@ -85,26 +85,39 @@ def _metrics(summary) -> dict[str, list[tuple[int, float]]]:
 
     client = MlflowClient(summary.tracking_uri)
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, key))
-            for key in ("wall_time", "first_step_time", "start_step")}
+            for key in ("wall_time", "first_step_time", "start_step", "worker_start_time")}
 
 
 def analyse(kills: list[float], metrics: dict) -> list[dict]:
-    """Per kill: seconds to the next group's first step, and steps lost."""
+    """Per kill: seconds to the next group's first step, in two parts (kill -> the train function
+    starting on the new group: Ray Train's detection, teardown, new actors and process group; the
+    function's start -> its first step: data, model, restore, the step), and steps lost."""
     progress = metrics["wall_time"]  # (step, wall clock of that report)
-    groups = sorted({(first, start) for (_, first), (_, start) in zip(metrics["first_step_time"], metrics["start_step"])})
+    worker_starts = [value for _, value in metrics.get("worker_start_time", [])]
+    groups = sorted({(first, start, worker_start) for (_, first), (_, start), worker_start in
+                     zip(metrics["first_step_time"], metrics["start_step"],
+                         worker_starts or [None] * len(metrics["first_step_time"]))},
+                    key=lambda group: group[0])
     found = []
     for kill in kills:
-        after = [(first, start) for first, start in groups if first > kill]
+        after = [group for group in groups if group[0] > kill]
         before = [(step, wall) for step, wall in progress if wall <= kill]
         if not after or not before:
             continue
-        first, start = after[0]
+        first, start, worker_start = after[0]
         # the step reached at the kill: the last report before it, plus the rate of the reports before that
         (s1, w1), (s0, w0) = before[-1], (before[-2] if len(before) > 1 else before[-1])
         rate = (s1 - s0) / (w1 - w0) if w1 > w0 else 0.0
         reached = s1 + rate * (kill - w1)
-        found.append({"kill_to_next_step_s": first - kill, "steps_lost": max(0.0, reached - start)})
+        found.append({"kill_to_next_step_s": first - kill, "steps_lost": max(0.0, reached - start),
+                      "kill_to_train_function_s": worker_start - kill if worker_start else None,
+                      "train_function_to_first_step_s": first - worker_start if worker_start else None})
     return found
+
+
+def _median_of(per_kill: list[dict], key: str):
+    values = [k[key] for k in per_kill if k.get(key) is not None]
+    return median(values) if values else None
 
 
 def recovery(quick: bool) -> dict:
@@ -170,9 +183,14 @@ def recovery(quick: bool) -> dict:
         "checkpoint_every_n_steps": every, "clean_wall_s": clean_walls, "chaos_wall_s": chaos_walls,
         "efficiency": efficiency["ratio_median"], "efficiency_pairs": efficiency,
         "per_kill": per_kill,
+        "kill_to_train_function_s_median": _median_of(per_kill, "kill_to_train_function_s"),
+        "train_function_to_first_step_s_median": _median_of(per_kill, "train_function_to_first_step_s"),
         # the same kills of a plain Ray Train loop: the floor a restart cannot go under
         "plain_ray_train": {"kills": kills_total[1], "recoveries_measured": len(plain_per_kill),
                             "kill_to_next_step_s_median": median(theirs) if theirs else None,
+                            "kill_to_train_function_s_median": _median_of(plain_per_kill, "kill_to_train_function_s"),
+                            "train_function_to_first_step_s_median":
+                                _median_of(plain_per_kill, "train_function_to_first_step_s"),
                             "kill_to_next_step_s": theirs, "wall_s": plain_walls, "per_kill": plain_per_kill},
         "kill_to_next_step_vs_plain_ray_train": (median(ours) / median(theirs)) if ours and theirs else None,
     }

@@ -127,7 +127,12 @@ def markdown(results: dict) -> str:
             if plain:
                 lines.append(f"| restart vs plain Ray Train | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s "
                              f"vs {_f(plain['kill_to_next_step_s_median'], 1)} s (medians of {v['recoveries_measured']} "
-                             f"and {plain['recoveries_measured']}) | **{_f(v['kill_to_next_step_vs_plain_ray_train'])}** "
+                             f"and {plain['recoveries_measured']}); of which kill -> the train function starting "
+                             f"{_f(v.get('kill_to_train_function_s_median'), 1)} vs "
+                             f"{_f(plain.get('kill_to_train_function_s_median'), 1)} s, its start -> first step "
+                             f"{_f(v.get('train_function_to_first_step_s_median'), 1)} vs "
+                             f"{_f(plain.get('train_function_to_first_step_s_median'), 1)} s "
+                             f"| **{_f(v['kill_to_next_step_vs_plain_ray_train'])}** "
                              f"(target <= 1) | the same kills of a plain Ray Train loop (TorchTrainer, DDP, a "
                              f"checkpoint every {v['checkpoint_every_n_steps']} steps, bench/baseline_raytrain.py) in "
                              f"the same run |")

@@ -38,6 +38,11 @@ def test_recovery_reads_kill_to_next_step_and_steps_lost():
     (found,) = analyse([35.0], metrics)
     assert found["kill_to_next_step_s"] == pytest.approx(5.0)
     assert found["steps_lost"] == pytest.approx(350 - 200)  # reached 350 at the kill (10 steps/s)
+    assert found["kill_to_train_function_s"] is None  # (no worker_start_time series)
+    # with the time each group's train function started: the kill -> next step in its two parts
+    (parts,) = analyse([35.0], {**metrics, "worker_start_time": [(100, 3.0), (250, 38.5)]})
+    assert parts["kill_to_train_function_s"] == pytest.approx(3.5)  # Ray Train: detect, tear down, start
+    assert parts["train_function_to_first_step_s"] == pytest.approx(1.5)  # ours: data, model, restore, step
 
 
 def test_sweep_work_counts_every_trials_steps_until_the_first_hit():
