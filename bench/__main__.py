@@ -16,7 +16,7 @@ from bench.common import REPO, machine
 from bench.report import markdown, update_readme
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenizing", "recovery",
-        "continuous", "sweep", "memory", "gpu", "system_metrics")
+        "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
 
 
 def main(argv=None) -> int:
@@ -32,8 +32,11 @@ def main(argv=None) -> int:
     # its two Ray Train runs add about 2 minutes to a suite already near its budget, and
     # tests/test_chaos_continue.py runs the same path (`--quick --rows continuous` checks its harness).
     wanted = args.rows.split(",")
+    # The same for recovery_continue: the recovery row's path (tested in quick mode) with
+    # failure.mode continue, whose kill and replacement test_chaos_continue.py runs.
     if args.quick and args.rows == ",".join(ROWS):
         wanted.remove("continuous")
+        wanted.remove("recovery_continue")
     results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {},
                      "row_seconds": {}}
     started = time.monotonic()
@@ -87,6 +90,8 @@ def main(argv=None) -> int:
                 timed("gpu", lambda: rows.gpu(args.quick))
             if "recovery" in wanted:
                 timed("recovery", lambda: rows.recovery(args.quick))
+            if "recovery_continue" in wanted:  # the same kills every 60 s, failure.mode continue
+                timed("recovery_continue", lambda: rows.recovery(args.quick, mode="continue"))
             if "continuous" in wanted:  # failure.mode continue: a worker killed, the survivor goes on
                 from bench.continuous import continuous
 
@@ -136,6 +141,8 @@ def ratios(rows_: dict) -> dict:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:
         found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
+    if (rows_.get("recovery_continue") or {}).get("efficiency") is not None:
+        found["recovery_continue_goodput_efficiency_failure_every_60s"] = rows_["recovery_continue"]["goodput_efficiency"]
     if rows_.get("recovery", {}).get("kill_to_next_step_vs_plain_ray_train") is not None:
         found["restart_kill_to_next_step_vs_plain_ray_train"] = rows_["recovery"]["kill_to_next_step_vs_plain_ray_train"]
     if rows_.get("continuous", {}).get("kill_to_next_step_s_median") is not None:

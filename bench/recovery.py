@@ -120,7 +120,9 @@ def _median_of(per_kill: list[dict], key: str):
     return median(values) if values else None
 
 
-def recovery(quick: bool) -> dict:
+def recovery(quick: bool, mode: str = "restart") -> dict:
+    """`mode`: the job's failure.mode. In continue mode the survivors train on while the killed
+    group is replaced, and there is no plain Ray Train run to compare (it can only restart)."""
     from bench import baseline_raytrain
     from bench.common import run_service
     from training.data.prepare import prepare
@@ -135,11 +137,12 @@ def recovery(quick: bool) -> dict:
                  "train.log_every_n_steps=10", "train.min_report_interval_s=0.5", "train.global_batch_size=32",
                  "scaling.num_workers=2", "scaling.cpus_per_worker=1", "train.torch_threads=1",
                  "failure.max_failures=-1", "checkpoint.keep=1", "tracking.register_model=false",
-                 f"train.max_steps={steps}"]
+                 f"train.max_steps={steps}", f"failure.mode={mode}"]
     per_kill: list[dict] = []
     plain_per_kill: list[dict] = []
     kills_total = [0, 0]
     clean_walls, chaos_walls, plain_walls = [], [], []
+    skipped_fraction: list[float] = []
 
     def clean() -> float:
         summary, _ = run_service(service_job("digits.yaml", overrides, f"recovery-clean-{time.monotonic_ns()}"))
@@ -153,6 +156,8 @@ def recovery(quick: bool) -> dict:
                                           interval_s, max_kills)
         per_kill.extend(analyse(kills, _metrics(chaotic)))
         kills_total[0] += len(kills)
+        # (failure.mode continue: the samples of the steps the dead group missed are not trained on)
+        skipped_fraction.append(float(chaotic.metrics.get("samples_skipped", 0)) / (steps * 32))
         return chaotic.wall_s
 
     def plain() -> float:
@@ -172,21 +177,28 @@ def recovery(quick: bool) -> dict:
     for _ in range(rounds):  # twin, service, plain Ray Train; again: a drift weighs on all alike
         clean_walls.append(clean())
         chaos_walls.append(chaos())
-        plain_walls.append(plain())
+        if mode == "restart":
+            plain_walls.append(plain())
     efficiency = paired_ratios(clean_walls, chaos_walls)
+    # goodput: the same ratio per sample trained on (wall time per useful sample), which is the
+    # wall-time ratio in restart mode and counts a continue run's skipped samples as lost work
+    goodput = paired_ratios(clean_walls, [wall / max(1e-9, 1 - f) for wall, f in zip(chaos_walls, skipped_fraction)])
     ours = [k["kill_to_next_step_s"] for k in per_kill]
     theirs = [k["kill_to_next_step_s"] for k in plain_per_kill]
     return {
-        "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0], "recoveries_measured": len(per_kill),
+        "mode": mode, "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0], "recoveries_measured": len(per_kill),
         "kill_to_next_step_s_median": median(ours) if ours else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
         "checkpoint_every_n_steps": every, "clean_wall_s": clean_walls, "chaos_wall_s": chaos_walls,
         "efficiency": efficiency["ratio_median"], "efficiency_pairs": efficiency,
+        "goodput_efficiency": goodput["ratio_median"], "goodput_pairs": goodput,
+        "samples_skipped_fraction": skipped_fraction,
         "per_kill": per_kill,
         "kill_to_train_function_s_median": _median_of(per_kill, "kill_to_train_function_s"),
         "train_function_to_first_step_s_median": _median_of(per_kill, "train_function_to_first_step_s"),
         # the same kills of a plain Ray Train loop: the floor a restart cannot go under
-        "plain_ray_train": {"kills": kills_total[1], "recoveries_measured": len(plain_per_kill),
+        "plain_ray_train": None if mode != "restart" else {
+                            "kills": kills_total[1], "recoveries_measured": len(plain_per_kill),
                             "kill_to_next_step_s_median": median(theirs) if theirs else None,
                             "kill_to_train_function_s_median": _median_of(plain_per_kill, "kill_to_train_function_s"),
                             "train_function_to_first_step_s_median":

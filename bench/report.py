@@ -117,11 +117,11 @@ def markdown(results: dict) -> str:
                      f"(max {_f(v['kill_to_next_step_s_max'], 2)}); the replacement back after {_f(v.get('kill_to_rejoin_s_median'), 1)} s | val_loss vs failure-free twin **{_f(loss['ratio_median'])}** "
                      f"(min {_f(loss['ratio_min'])}, max {_f(loss['ratio_max'])}) | digits, 2 workers, {v['steps']} steps, "
                      f"one worker SIGKILLed after the first checkpoint; twin and chaos runs interleaved, {v['rounds']} of each |")
-    for name in ("recovery", "sweep", "gpu"):
+    for name in ("recovery", "recovery_continue", "sweep", "gpu"):
         v = r.get(name)
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
-        elif name == "recovery" and v:
+        elif name in ("recovery", "recovery_continue") and v:
             pairs = v.get("efficiency_pairs") or {"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
             plain = v.get("plain_ray_train") or {}
             if plain:
@@ -136,7 +136,18 @@ def markdown(results: dict) -> str:
                              f"(target <= 1) | the same kills of a plain Ray Train loop (TorchTrainer, DDP, a "
                              f"checkpoint every {v['checkpoint_every_n_steps']} steps, bench/baseline_raytrain.py) in "
                              f"the same run |")
-            lines.append(f"| recovery | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
+            label = "recovery" if v.get("mode", "restart") == "restart" else "recovery (failure.mode continue)"
+            if v.get("mode") == "continue" and v.get("goodput_pairs"):
+                pairs = v["goodput_pairs"]
+                skipped = v.get("samples_skipped_fraction") or [0]
+                lines.append(f"| {label} | samples skipped {100 * median_of(skipped):.2f}% (median of {len(skipped)} runs) "
+                             f"| **{_f(v['goodput_efficiency'])}** goodput efficiency ({spread(pairs)}; wall time "
+                             f"alone {_f(v['efficiency'])}) | digits, 2 workers, {v['steps']} steps with a worker "
+                             f"SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a failure-free twin, "
+                             f"both failure.mode continue, interleaved, {pairs['rounds']} pair(s): samples trained per "
+                             "second, the skipped ones counted as lost |")
+                continue
+            lines.append(f"| {label} | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "
                          f"({spread(pairs)}) | digits, 2 workers, {v['steps']} steps with a worker SIGKILLed every "

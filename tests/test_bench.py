@@ -13,11 +13,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 # Two runs of the harness, one per Ray test lane (tests/conftest.py): every row is in one of them,
-# but the continuous row, whose path tests/test_chaos_continue.py runs (quick mode leaves it out
-# unless asked for: bench/__main__.py).
+# but the continuous and recovery_continue rows, whose failure.mode continue path
+# tests/test_chaos_continue.py runs (quick mode leaves them out unless asked for: bench/__main__.py).
 ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,overhead,checkpoint,data_path,tokenizing,gpu,system_metrics",
             "faults_and_sweeps": "recovery,sweep"}
-LEFT_TO_ITS_OWN_TEST = ["continuous"]
+LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue"]  # (recovery's path, in failure.mode continue)
 
 
 def quick_bench(tmp_path, rows):
