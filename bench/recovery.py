@@ -161,7 +161,7 @@ def recovery(quick: bool, mode: str = "restart") -> dict:
         per_kill.extend(analyse(kills, _metrics(chaotic)))
         kills_total[0] += len(kills)
         # (failure.mode continue: the samples of the steps the dead group missed are not trained on)
-        skipped_fraction.append(float(chaotic.metrics.get("samples_skipped", 0)) / (steps * 32))
+        skipped_fraction.append(float(chaotic.metrics.get("samples_skipped", 0)) / (steps * job.train.global_batch_size))
         return chaotic.wall_s
 
     def plain() -> float:
