@@ -33,10 +33,12 @@ def main(argv=None) -> int:
     # tests/test_chaos_continue.py runs the same path (`--quick --rows continuous` checks its harness).
     wanted = args.rows.split(",")
     # The same for recovery_continue: the recovery row's path (tested in quick mode) with
-    # failure.mode continue, whose kill and replacement test_chaos_continue.py runs.
+    # failure.mode continue, whose kill and replacement test_chaos_continue.py runs; and for the
+    # sweep row: two Tune sweeps (a minute here) whose ASHA path tests/test_tuning_ray.py runs, its
+    # sweep files and arithmetic checked without Ray (tests/test_bench_math.py).
     if args.quick and args.rows == ",".join(ROWS):
-        wanted.remove("continuous")
-        wanted.remove("recovery_continue")
+        for row in ("continuous", "recovery_continue", "sweep"):
+            wanted.remove(row)
     results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {},
                      "row_seconds": {}}
     started = time.monotonic()

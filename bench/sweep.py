@@ -28,10 +28,8 @@ def steps_to_target(rows, target: float):
     return None
 
 
-def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
-    from tuning import config as sweep_config
-    from tuning.sweep import run_sweep
-
+def sweep_file(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> Path:
+    """The sweep file of one side of a seed: digits, `samples` trials of up to `steps` steps."""
     body = (f"base: {CONFIGS / 'digits.yaml'}\nset: [train.max_steps={steps}, train.eval_every_n_steps={steps // 8},"
             f" checkpoint.every_n_steps={steps // 2}, checkpoint.keep=1, train.log_every_n_steps={steps // 8},"
             " train.min_report_interval_s=0, tracking.experiment=bench-sweep, tracking.register_model=false]\n"
@@ -40,6 +38,14 @@ def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tup
             f"num_samples: {samples}\ntrial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}\n")
     path = base / f"{scheduler}-{seed}.yaml"
     path.write_text(body)
+    return path
+
+
+def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
+    from tuning import config as sweep_config
+    from tuning.sweep import run_sweep
+
+    path = sweep_file(scheduler, seed, samples, steps, base)
     summary = run_sweep(sweep_config.load(path, name=f"bench-{scheduler}-{seed}"), log=lambda line: None)
     return summary.rows, sum(row.steps for row in summary.rows)
 
@@ -59,6 +65,11 @@ def sweep(quick: bool, seeds=None, samples=None, steps=None) -> dict:
                 result[scheduler] = {"steps_to_target": steps_to_target(rows, target), "total_steps": total,
                                      "stopped": sum(r.status == "stopped" for r in rows)}
             per_seed.append(result)
+    return summarise(per_seed, target, samples, steps)
+
+
+def summarise(per_seed: list[dict], target: float, samples: int, steps: int) -> dict:
+    """The row from each seed's two sides: ASHA / random, steps to the target and in all."""
     reached = [r for r in per_seed if r["asha"]["steps_to_target"] and r["fifo"]["steps_to_target"]]
     return {"target_val_accuracy": target, "trials": samples, "max_steps": steps, "seeds": per_seed,
             "steps_to_target_ratio": median([r["asha"]["steps_to_target"] / r["fifo"]["steps_to_target"]

@@ -52,6 +52,35 @@ def test_sweep_work_counts_every_trials_steps_until_the_first_hit():
     assert steps_to_target([a, b], 0.99) is None
 
 
+def test_the_sweep_rows_files_are_valid_sweeps_that_differ_only_in_their_scheduler(tmp_path):
+    from bench.sweep import sweep_file
+    from tuning import config as sweep_config
+
+    asha, fifo = (sweep_config.load(sweep_file(name, 3, 6, 160, tmp_path)) for name in ("asha", "fifo"))
+    assert (asha.config.scheduler.name, fifo.config.scheduler.name) == ("asha", "fifo")
+    assert asha.config.scheduler.grace_period_steps == 160 // 8 and asha.config.num_samples == 6
+    assert asha.config.search.seed == 3 and asha.space == fifo.space and set(asha.space) == {
+        "optim.lr", "model.options.dropout", "model.options.hidden"}
+    assert asha.base == fifo.base and asha.base.train.max_steps == 160 and asha.base.scaling.num_workers == 1
+
+
+def test_the_sweep_row_is_the_median_asha_over_random_ratio_of_the_seeds_that_reached_the_target():
+    from bench.report import markdown
+    from bench.sweep import summarise
+
+    side = lambda to_target, total: {"steps_to_target": to_target, "total_steps": total, "stopped": 0}  # noqa: E731
+    per_seed = [{"seed": 0, "asha": side(300, 600), "fifo": side(600, 960)},
+                {"seed": 1, "asha": side(200, 500), "fifo": side(800, 960)},
+                {"seed": 2, "asha": side(None, 480), "fifo": side(700, 960)}]  # (asha never got there)
+    row = summarise(per_seed, 0.95, 6, 160)
+    assert row["steps_to_target_ratio"] == pytest.approx((0.5 + 0.25) / 2)
+    assert row["total_steps_ratio"] == pytest.approx(500 / 960)
+    machine = {"cpu": "a CPU", "cores": 2, "torch": "2", "ray": "2", "python": "3"}
+    table = markdown({"machine": machine, "date": "2026-01-01", "quick": False, "rows": {"sweep": row},
+                      "row_seconds": {"sweep": 60.0}, "elapsed_s": 60.0, "ratios": {}})
+    assert "| sweep ASHA vs random |" in table and "**0.38**" in table
+
+
 def test_interleaved_measurements_alternate_sides():
     from bench.common import interleaved
 
