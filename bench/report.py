@@ -53,8 +53,8 @@ def markdown(results: dict) -> str:
     if "cold_start" in r:
         c = r["cold_start"]
         lines.append(f"| cold start | {c['command_to_first_step_s']:.1f} s to first step | — | `python -m training` "
-                     f"starting its own Ray: python+config+data {c['python_config_and_data_s']:.1f} s, tracking "
-                     f"{c['tracking_s']:.1f} s, Ray start {c['ray_start_s']:.1f} s, worker group "
+                     f"starting its own Ray: python+config+data {c['python_config_and_data_s']:.1f} s, Ray start "
+                     f"{c['ray_start_s']:.1f} s, tracking {c['tracking_s']:.1f} s, worker group "
                      f"{c['worker_group_start_s']:.1f} s, first step {c['first_step_s']:.1f} s |")
     if "checkpoint" in r:
         c = r["checkpoint"]

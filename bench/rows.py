@@ -95,8 +95,8 @@ def cold_start(quick: bool, address: str | None = None) -> dict:
                         "--set", "train.max_steps=20", "--set", "tracking.enabled=false"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=True)
         t = json.loads(Path(base, "runs", "cold", "summary.json").read_text())["timings"]
-    phases = {"python_config_and_data_s": t["data_ready"] - started, "tracking_s": t["tracking_ready"] - t["data_ready"],
-              "ray_start_s": t["ray_ready"] - t["tracking_ready"], "worker_group_start_s": t["worker_start"] - t["ray_ready"],
+    phases = {"python_config_and_data_s": t["data_ready"] - started, "ray_start_s": t["ray_ready"] - t["data_ready"],
+              "tracking_s": t["tracking_ready"] - t["ray_ready"], "worker_group_start_s": t["worker_start"] - t["tracking_ready"],
               "first_step_s": t["first_step"] - t["worker_start"]}
     return {**{k: round(v, 2) for k, v in phases.items()}, "command_to_first_step_s": round(t["first_step"] - started, 2)}
 

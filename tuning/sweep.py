@@ -61,7 +61,10 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
         preflight.check_storage(paths)
 
     manifest = preflight.prepare_checked(sweep.base.data, paths, check, log)
+    from training.run.session import check_cluster_to_join
     from tuning import report
+
+    check_cluster_to_join()  # (a RAY_ADDRESS where nothing answers: refused before the parent run exists)
 
     parent = report.start_parent(sweep, paths, state)
     path = sweep_dir(sweep)

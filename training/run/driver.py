@@ -55,7 +55,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     passed and the run begins (its log file may be opened then: bad input writes nothing)."""
     from training.run import preflight
     from training.run.resources import maximum_resources
-    from training.run.session import check_recorded_cluster, ray_session
+    from training.run.session import check_cluster_to_join, ray_session
 
     from training.observe import notify
 
@@ -90,8 +90,9 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     # job's checks on the data (rows, the model's shapes) run once it is prepared.
     on_cluster = wants_cluster(planned)
     manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log, planned)
-    # (after the checks above, which import no Ray: a leftover local cluster that cannot be joined)
-    check_recorded_cluster()
+    # (after the checks above, which import no Ray: a leftover local cluster, or a RAY_ADDRESS, that
+    # cannot be joined)
+    check_cluster_to_join()
     with ExitStack() as session:
         if on_cluster:
             session.enter_context(ray_session(*plugin_specs(job)))
@@ -118,43 +119,27 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     from training.run.session import ray_session
 
     timings["data_ready"] = time.time()
-    if on_start is not None:
-        on_start()
-    log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
-    tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
-    timings["tracking_ready"] = time.time()
-    if record is None:
-        if job.tracking.enabled:
-            from training.tracking.datasets import log_datasets
+    # Ray joined (or started) first: a cluster that cannot be joined (a wrong RAY_ADDRESS, no token)
+    # is refused before the run writes anything or starts its MLflow run.
+    with ray_session(*plugin_specs(job)):
+        import ray
 
-            log_datasets(tracker, manifest, log)
-            if job.data.source == "text":
-                from training.data.tokenizer import log_tokenizer
-
-                log_tokenizer(tracker, manifest, log)
-        RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
-                  dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
-        storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
-
-    from training.observe.run_watch import RunWatch
-
-    watch = RunWatch.start(name, paths, tracker, targets, log)
-    try:
-        with ray_session(*plugin_specs(job)):
-            import ray
-
-            timings["ray_ready"] = time.time()
+        timings["ray_ready"] = time.time()
+        tracker, watch = _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags,
+                                targets, on_start)
+        timings["tracking_ready"] = time.time()
+        try:
             workers = worker_resources(job.scaling, ray.cluster_resources(), largest)
             result = trainer.fit(job, paths, manifest.root, tracker, workers,
                                  callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
-    except KeyboardInterrupt:
-        tracker.finish("KILLED")
-        watch.end("stopped", "interrupted")
-        raise
-    except BaseException as exc:
-        tracker.finish("FAILED")
-        watch.end("failed", _error_line(exc))
-        raise
+        except KeyboardInterrupt:
+            tracker.finish("KILLED")
+            watch.end("stopped", "interrupted")
+            raise
+        except BaseException as exc:
+            tracker.finish("FAILED")
+            watch.end("failed", _error_line(exc))
+            raise
 
     # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
     metrics = dict(result.metrics or {})
@@ -178,6 +163,30 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     tracker.finish("FINISHED")
     watch.end("finished", metrics=metrics)
     return summary
+
+
+def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags, targets, on_start):
+    """The run begins: its log, its MLflow run (with its dataset and tokenizer, when new), its record
+    and config in storage, and the watch that posts and records its progress."""
+    from training.observe.run_watch import RunWatch
+
+    if on_start is not None:
+        on_start()
+    log(f"run {name}: {'resuming' if record else 'starting'}; storage {paths.run_dir}")
+    tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
+    if record is None:
+        if job.tracking.enabled:
+            from training.tracking.datasets import log_datasets
+
+            log_datasets(tracker, manifest, log)
+            if job.data.source == "text":
+                from training.data.tokenizer import log_tokenizer
+
+                log_tokenizer(tracker, manifest, log)
+        RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
+                  dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
+        storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
+    return tracker, RunWatch.start(name, paths, tracker, targets, log)
 
 
 def _error_line(exc: BaseException) -> str:

@@ -66,16 +66,41 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
         address = None if os.environ.get("RAY_ADDRESS") else (live_local_cluster() or "local")
     # Started locally, Ray includes the dashboard: it serves the state API that Ray Train's
     # placement-group cleaner needs.
-    ray.init(address=address, log_to_driver=log_to_driver, num_cpus=os.cpu_count() if own_cluster else None,
-             runtime_env={"py_modules": plugin_paths, "excludes": UPLOAD_EXCLUDES} if plugin_paths else None)
+    try:
+        ray.init(address=address, log_to_driver=log_to_driver, num_cpus=os.cpu_count() if own_cluster else None,
+                 runtime_env={"py_modules": plugin_paths, "excludes": UPLOAD_EXCLUDES} if plugin_paths else None)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # (no token here / the wrong one)
+        if address == "local":
+            raise
+        raise UserError(cannot_join_message(address or os.environ.get("RAY_ADDRESS", ""), exc)) from None
     try:
         yield RaySession(started=True, local_only=address == "local")
     finally:
         ray.shutdown()
 
 
-# How long the recorded cluster's GCS has to answer: a live one answers in milliseconds.
+def cannot_join_message(address: str, exc: BaseException) -> str:
+    """What to do when the Ray cluster to join does not let this driver in."""
+    from training.redaction import redact
+
+    chain, cause = [], exc
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    where = f"the Ray cluster at {redact(address)}" + (" (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else "")
+    if any("InvalidAuthToken" in str(e) or type(e).__name__ == "AuthenticationError" for e in chain):
+        return (f"{where} refused this driver: it needs the cluster's authentication token. On the cluster's "
+                "machine `ray get-auth-token` prints it; put it in ~/.ray/auth_token here (or RAY_AUTH_TOKEN) and "
+                "set RAY_AUTH_MODE=token; or submit the run with `ray job submit --working-dir . -- python -m training CONFIG`")
+    return (f"could not join {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
+            "Check the address and that the cluster is up (`ray status --address ADDRESS`), or unset RAY_ADDRESS "
+            "to run on a local Ray of this machine")
+
+
+# How long the recorded cluster's GCS has to answer: a live one answers in milliseconds. A cluster
+# named by RAY_ADDRESS may be across a network: longer.
 GCS_ANSWER_TIMEOUT_S = 3.0
+RAY_ADDRESS_ANSWER_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -129,10 +154,28 @@ def live_local_cluster() -> Optional[str]:
     return address if decision.join else None
 
 
-def check_recorded_cluster() -> None:
-    """Before anything starts: UserError if this driver would join a recorded local cluster that
-    cannot be joined (see live_local_cluster)."""
+def check_cluster_to_join() -> None:
+    """Before anything starts: UserError if the cluster this driver would join cannot be joined: a
+    recorded local cluster in that state (see live_local_cluster), or a RAY_ADDRESS where no GCS
+    answers (ray.init would wait minutes on it)."""
     import ray
 
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS") and not in_submitted_job():
+    if ray.is_initialized() or in_submitted_job():
+        return
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
         live_local_cluster()
+        return
+    if address in ("auto", "local") or "://" in address or ":" not in address:
+        return  # Ray's own words for the recorded or a new cluster; a Ray Client address
+    from training.adaptors import ray_private
+    from training.redaction import redact
+
+    try:
+        answer = ray_private.ask_gcs_session_name(address, RAY_ADDRESS_ANSWER_TIMEOUT_S)
+    except ray.exceptions.AuthenticationError as exc:  # token auth on, and no token here
+        raise UserError(cannot_join_message(address, exc)) from None
+    if not answer.answered:
+        raise UserError(f"no Ray cluster answers at RAY_ADDRESS={redact(address)} (within "
+                        f"{RAY_ADDRESS_ANSWER_TIMEOUT_S:g} s): check the address and that the cluster is up "
+                        "(`ray status --address ADDRESS`), or unset RAY_ADDRESS to run on a local Ray of this machine")
