@@ -1,8 +1,6 @@
 """Chaos on a multi-node local cluster (`ray.cluster_utils.Cluster`): a lost node shrinks an
 elastic run and a returning node grows it again, with the global batch unchanged; a node drained
-for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted; in
-failure.mode continue, a lost node stops nobody: the other worker steps on alone until a replacement
-rejoins."""
+for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted."""
 
 import json
 import os
@@ -220,52 +218,3 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     assert max(step for step, size in sizes.items() if size == 2) <= saved[-1]
     assert min(step for step, size in sizes.items() if size == 1) > saved[-1]
 
-
-def test_a_node_lost_in_continue_mode_stops_nobody(cluster, workdir):
-    """failure.mode continue on three nodes of 1 CPU: the node of one training worker is lost; the
-    other worker keeps its process and steps alone, Ray Train starts a replacement on the CPU that is
-    left, and it rejoins; one MLflow run marks the short steps."""
-    from ray.util.state import list_actors
-
-    def train_workers(**state):
-        filters = [("class_name", "=", "RayTrainWorker")] + [(k, "=", v) for k, v in state.items()]
-        return {a.actor_id: a for a in list_actors(filters=filters, limit=1000)}
-
-    ensure_two_nodes(cluster)
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    earlier = set(train_workers())  # (this module's other runs')
-    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
-        "failure.mode=continue", "scaling.num_workers=2", "train.max_steps=800", "train.global_batch_size=64",
-        "checkpoint.every_n_steps=400", "train.eval_every_n_steps=400", "failure.max_failures=3"], name="lostnode")
-    thread, outcome = run_in_thread(job)
-    client = __import__("mlflow").tracking.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    wait_for(lambda: any(m.step >= 60 for m in tracked_history(client, "digits", "train_loss", "lostnode")), 240,
-             "the run's reports past step 60")
-    workers = list(train_workers(state="ALIVE").values())
-    assert len(workers) == 2, workers
-    head = cluster.head_node.node_id
-    lost, survivor = sorted(workers, key=lambda actor: actor.node_id == head)  # a worker node's goes
-    assert lost.node_id != head, "both training workers on the head"
-    (node,) = [n for n in cluster.worker_nodes if n.node_id == lost.node_id]
-    lost_at = time.time()
-    cluster.remove_node(node)
-    # The replacement comes while the survivor's actor (the same process) is alive: a full restart
-    # would have replaced it too.
-    replacement = wait_for(lambda: set(train_workers(state="ALIVE")) - {lost.actor_id, survivor.actor_id} - earlier,
-                           180, "a replacement worker")
-    assert survivor.actor_id in train_workers(state="ALIVE"), "the surviving worker went away"
-    thread.join(timeout=300)
-    assert "error" not in outcome, outcome.get("error")
-    summary = outcome["summary"]
-    assert summary.steps == 800 and summary.metrics["short_steps"] >= 1
-    assert summary.metrics["samples_skipped"] >= 32 * summary.metrics["short_steps"]
-    assert set(train_workers()) - earlier == {lost.actor_id, survivor.actor_id, *replacement}  # nobody else started
-
-    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
-                                filter_string="tags.`training.run_name` = 'lostnode'")
-    lost_events = client.get_metric_history(run.info.run_id, "replica_lost")
-    rejoined = client.get_metric_history(run.info.run_id, "replica_rejoined")
-    assert lost_events and rejoined and lost_at <= lost_events[0].timestamp / 1000 <= rejoined[0].timestamp / 1000
-    replicas = client.get_metric_history(run.info.run_id, "replicas")
-    assert any(m.value == 1 for m in replicas) and max(m.step for m in replicas) == 800
