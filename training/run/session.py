@@ -79,6 +79,11 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
         ray.shutdown()
 
 
+# What to do when the cluster to join cannot be reached.
+UNREACHABLE_HINT = ("check the address and that the cluster is up (`ray status --address ADDRESS`), "
+                    "or unset RAY_ADDRESS to run on a local Ray of this machine")
+
+
 def cannot_join_message(address: str, exc: BaseException) -> str:
     """What to do when the Ray cluster to join does not let this driver in."""
     from training.redaction import redact
@@ -88,13 +93,13 @@ def cannot_join_message(address: str, exc: BaseException) -> str:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     where = f"the Ray cluster at {redact(address)}" + (" (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else "")
-    if any("InvalidAuthToken" in str(e) or type(e).__name__ == "AuthenticationError" for e in chain):
+    import ray
+
+    if any(isinstance(e, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(e) for e in chain):
         return (f"{where} refused this driver: it needs the cluster's authentication token. On the cluster's "
                 "machine `ray get-auth-token` prints it; put it in ~/.ray/auth_token here (or RAY_AUTH_TOKEN) and "
                 "set RAY_AUTH_MODE=token; or submit the run with `ray job submit --working-dir . -- python -m training CONFIG`")
-    return (f"could not join {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
-            "Check the address and that the cluster is up (`ray status --address ADDRESS`), or unset RAY_ADDRESS "
-            "to run on a local Ray of this machine")
+    return f"could not join {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; {UNREACHABLE_HINT}"
 
 
 # How long the recorded cluster's GCS has to answer: a live one answers in milliseconds. A cluster
@@ -177,5 +182,4 @@ def check_cluster_to_join() -> None:
         raise UserError(cannot_join_message(address, exc)) from None
     if not answer.answered:
         raise UserError(f"no Ray cluster answers at RAY_ADDRESS={redact(address)} (within "
-                        f"{RAY_ADDRESS_ANSWER_TIMEOUT_S:g} s): check the address and that the cluster is up "
-                        "(`ray status --address ADDRESS`), or unset RAY_ADDRESS to run on a local Ray of this machine")
+                        f"{RAY_ADDRESS_ANSWER_TIMEOUT_S:g} s): {UNREACHABLE_HINT}")
