@@ -1,6 +1,8 @@
 """Chaos on a multi-node local cluster (`ray.cluster_utils.Cluster`): a lost node shrinks an
 elastic run and a returning node grows it again, with the global batch unchanged; a node drained
-for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted."""
+for preemption gets a just-in-time checkpoint that the run resumes from, with no failure counted; in
+failure.mode continue, a lost node stops nobody: the other worker steps on alone until a replacement
+rejoins."""
 
 import json
 import os
@@ -22,9 +24,11 @@ COMMON = ["train.global_batch_size=32", "train.log_every_n_steps=10", "train.min
 
 # For this module's cluster: the default report poll (0.5 s; the reports every 10 steps hold a run
 # to ~20 steps/s, so each phase of a run outlasts a node's loss or arrival), and a worker group
-# that cannot be placed given up on after 30 s, not 60: after a node is lost, Ray Train sizes the
-# next group from a reservation that still counts that node, waits for it, then retries smaller.
-CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
+# whose placement group is not ready given up on after 10 s, not 60: after a node is lost, Ray
+# Train sizes the next group from a reservation that still counts that node, waits for it, then
+# retries smaller. (The timeout covers the placement group's reservation only, not the workers'
+# start: on free 1-CPU nodes it is ready in well under a second.)
+CLUSTER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +46,23 @@ def cluster():
                 os.environ[key] = value
 
 
-def ensure_two_nodes(cluster):
+def ensure_nodes(cluster, workers: int):
+    """The head and exactly `workers` live worker nodes of 1 CPU, all CPUs free. A node that died
+    without `remove_node` (a drained node past its deadline) is taken out of the Cluster's list
+    first: its `wait_for_nodes` counts every node it added as one that must be alive."""
     import ray
 
-    if len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for node in [n for n in cluster.worker_nodes if n.node_id not in alive]:
+        cluster.remove_node(node, allow_graceful=False)
+    while len(cluster.worker_nodes) > workers:
+        cluster.remove_node(cluster.worker_nodes[-1])
+    while len(cluster.worker_nodes) < workers:
         cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    # and both CPUs free: what the last test's run held is given back a little after it ends (seen on a
+    cluster.wait_for_nodes(timeout=120)  # (30 s by default: a node's start on a loaded machine can take longer)
+    # and every CPU free: what the last test's run held is given back a little after it ends (seen on a
     # loaded machine: an elastic run started here with 1 worker, and never had one on the drained node)
-    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2, 120, "both nodes' CPUs free")
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == workers + 1, 120, "every node's CPU free")
 
 
 def checkpoints(run_dir):
@@ -135,7 +147,7 @@ def assert_system_metrics_from_every_node(workdir, run):
 
 
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
-    ensure_two_nodes(cluster)
+    ensure_nodes(cluster, 1)
     # 1600 steps: the group regrows at about step 400-1000 (20 steps/s, restarts of 20-40 s), with
     # hundreds of steps left to train at 2 workers again. System metrics every second, from each node.
     job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
@@ -176,7 +188,7 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     import ray
     from ray.core.generated import autoscaler_pb2
 
-    ensure_two_nodes(cluster)
+    ensure_nodes(cluster, 1)
     # max_failures=0: a preemption must not count as a failure.
     job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
         "train.max_steps=1500", "checkpoint.every_n_steps=1000", "train.eval_every_n_steps=1000",
@@ -194,8 +206,11 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     accepted, message = ray._raylet.GcsClient(address=cluster.address).drain_node(
         worker_node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
         "spot interruption", int(time.time() * 1000) + 20_000)  # a 20 s notice
-    assert accepted, message
-    thread.join(timeout=300)
+    try:
+        assert accepted, message
+        thread.join(timeout=300)
+    finally:  # the instance ends, as the cloud ends a preempted one (a draining node takes no new work)
+        cluster.remove_node(worker_node, allow_graceful=False)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"].steps == 1500
     output = capfd.readouterr()
@@ -218,3 +233,51 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     assert max(step for step, size in sizes.items() if size == 2) <= saved[-1]
     assert min(step for step, size in sizes.items() if size == 1) > saved[-1]
 
+
+
+def test_a_node_lost_in_continue_mode_stops_nobody(cluster, workdir):
+    """failure.mode continue on three nodes of 1 CPU: the node of one training worker is lost; the
+    other worker keeps its process and steps alone, Ray Train starts a replacement on the CPU that is
+    left, and it rejoins; one MLflow run marks the short steps."""
+    from ray.util.state import list_actors
+
+    def train_workers(**state):
+        filters = [("class_name", "=", "RayTrainWorker")] + [(k, "=", v) for k, v in state.items()]
+        return {a.actor_id: a for a in list_actors(filters=filters, limit=1000)}
+
+    ensure_nodes(cluster, 2)
+    earlier = set(train_workers())  # (this module's other runs')
+    job = config_lib.load(CONFIGS / "digits.yaml", COMMON + [
+        "failure.mode=continue", "scaling.num_workers=2", "train.max_steps=800", "train.global_batch_size=64",
+        "checkpoint.every_n_steps=400", "train.eval_every_n_steps=400", "failure.max_failures=3"], name="lostnode")
+    thread, outcome = run_in_thread(job)
+    client = __import__("mlflow").tracking.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    wait_for(lambda: any(m.step >= 60 for m in tracked_history(client, "digits", "train_loss", "lostnode")), 240,
+             "the run's reports past step 60")
+    workers = list(train_workers(state="ALIVE").values())
+    assert len(workers) == 2, workers
+    head = cluster.head_node.node_id
+    lost, survivor = sorted(workers, key=lambda actor: actor.node_id == head)  # a worker node's goes
+    assert lost.node_id != head, "both training workers on the head"
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == lost.node_id]
+    lost_at = time.time()
+    cluster.remove_node(node)
+    # The replacement comes while the survivor's actor (the same process) is alive: a full restart
+    # would have replaced it too.
+    replacement = wait_for(lambda: set(train_workers(state="ALIVE")) - {lost.actor_id, survivor.actor_id} - earlier,
+                           180, "a replacement worker")
+    assert survivor.actor_id in train_workers(state="ALIVE"), "the surviving worker went away"
+    thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    summary = outcome["summary"]
+    assert summary.steps == 800 and summary.metrics["short_steps"] >= 1
+    assert summary.metrics["samples_skipped"] >= 32 * summary.metrics["short_steps"]
+    assert set(train_workers()) - earlier == {lost.actor_id, survivor.actor_id, *replacement}  # nobody else started
+
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
+                                filter_string="tags.`training.run_name` = 'lostnode'")
+    lost_events = client.get_metric_history(run.info.run_id, "replica_lost")
+    rejoined = client.get_metric_history(run.info.run_id, "replica_rejoined")
+    assert lost_events and rejoined and lost_at <= lost_events[0].timestamp / 1000 <= rejoined[0].timestamp / 1000
+    replicas = client.get_metric_history(run.info.run_id, "replicas")
+    assert any(m.value == 1 for m in replicas) and max(m.step for m in replicas) == 800
