@@ -122,7 +122,8 @@ def markdown(results: dict) -> str:
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
         elif name in ("recovery", "recovery_continue") and v:
-            pairs = v.get("efficiency_pairs") or {"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
+            pairs = v.get("efficiency_pairs") or ({"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
+                                                  if v["efficiency"] is not None else None)
             plain = v.get("plain_ray_train") or {}
             if plain:
                 lines.append(f"| restart vs plain Ray Train | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s "
@@ -150,9 +151,10 @@ def markdown(results: dict) -> str:
             lines.append(f"| {label} | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "
-                         f"({spread(pairs)}) | digits, 2 workers, {v['steps']} steps with a worker SIGKILLed every "
-                         f"{v['failure_every_s']:.0f} s ({v['kills']} kills) vs a failure-free twin of the same steps, "
-                         f"interleaved, {pairs['rounds']} pair(s): wall-time ratio per pair |")
+                         f"({spread(pairs) if pairs else 'quick mode: no twin'}) | digits, 2 workers, {v['steps']} steps "
+                         f"with a worker SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a "
+                         f"failure-free twin of the same steps, interleaved, {pairs['rounds'] if pairs else 0} pair(s): "
+                         "wall-time ratio per pair |")
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
                              for s in v["seeds"])

@@ -64,7 +64,8 @@ def test_quick_bench_runs_the_recovery_and_checkpoint_rows(tmp_path):
     rows = results["rows"]
     assert set(rows) == {"recovery", "checkpoint"}
     assert rows["checkpoint"]["checkpoint_mb"] > 1 and rows["checkpoint"]["disk_write_mb_per_s"] > 0
-    assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["efficiency"] > 0
+    assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["recoveries_measured"] >= 1
+    assert rows["recovery"]["efficiency"] is None and "quick mode: no twin" in table  # (no failure-free twin)
     plain = rows["recovery"]["plain_ray_train"]  # the same kills of a plain Ray Train loop
     assert plain["kills"] >= 1 and plain["recoveries_measured"] >= 1 and plain["kill_to_next_step_s_median"] > 0
     assert rows["recovery"]["kill_to_next_step_vs_plain_ray_train"] > 0
