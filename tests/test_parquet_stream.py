@@ -32,10 +32,10 @@ def id_groups(sizes):
 SIZES = [37, 50, 50, 50, 12, 50, 50, 44, 50, 50, 50, 29, 50, 50, 50, 50, 33, 50, 50, 50]
 
 
-def shard(world_size, rank, partitions=4, window=2, sizes=SIZES, seed=7, read_ahead=False):
+def shard(world_size, rank, partitions=4, window=2, sizes=SIZES, seed=7, read_ahead=False, read_threads=2):
     groups, load, reads = id_groups(sizes)
     return StreamingShard(groups, load, BatchPlan(B, world_size, rank), seed=seed, partitions=partitions,
-                          window=window, read_ahead=read_ahead), reads
+                          window=window, read_ahead=read_ahead, read_threads=read_threads), reads
 
 
 def global_batches(world_size, steps, **kw):
@@ -85,6 +85,16 @@ def test_each_worker_reads_its_partitions_row_groups_only():
         read.append(set(reads))
     assert len(read[0] & read[1]) <= 1  # W divides P: halves, but for the row group cut between them
     assert sum(len(r) for r in read) <= len(SIZES) + 1
+
+
+def test_the_batches_do_not_depend_on_the_reading_threads():
+    per_epoch = steps_per_epoch(id_groups(SIZES)[0], 4, B)
+    expected = [shard(2, 1)[0].batch(step)["id"] for step in range(per_epoch + 5)]
+    for threads in (1, 4):
+        s, reads = shard(2, 1, read_ahead=True, read_threads=threads)
+        assert all(np.array_equal(s.batch(step)["id"], want) for step, want in enumerate(expected))
+        s.cache.close()
+        assert len(reads) <= 2 * (len(SIZES) // 2 + 1)  # its half, cut groups included, once an epoch
 
 
 def test_memory_is_bounded_by_the_window_not_the_dataset():

@@ -130,4 +130,5 @@ def train_stream(manifest, plan, seed: int) -> StreamingShard:
     options = parquet.ParquetOptions.model_validate(manifest.options)
     reader = parquet.FileReader(manifest.splits["train"], options)
     return StreamingShard(reader.groups, reader.load, plan, seed=seed, partitions=options.partitions,
-                          window=options.shuffle_window, read_ahead=options.read_ahead, to_tensors=_tensors)
+                          window=options.shuffle_window, read_ahead=options.read_ahead,
+                          read_threads=options.read_threads, to_tensors=_tensors)

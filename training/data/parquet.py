@@ -23,6 +23,7 @@ import fnmatch
 import hashlib
 import math
 import posixpath
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -78,8 +79,11 @@ class ParquetOptions(Section):
     # Rows are shuffled within windows of this many row groups of a partition (memory: about
     # 2 * window row groups per partition a worker reads).
     shuffle_window: int = Field(2, ge=1, le=1024)
-    # Read the next steps' row groups on a background thread while these steps train.
+    # Read the next steps' row groups in the background while these steps train, on this many
+    # threads (each decodes a row group at a time; more for object storage, whose reads wait on the
+    # network).
     read_ahead: bool = True
+    read_threads: int = Field(2, ge=1, le=64)
     # When the files carry no statistics for them: classes of the label / the token vocabulary.
     num_classes: Optional[int] = Field(None, ge=2)
     vocab_size: Optional[int] = Field(None, ge=2)
@@ -283,13 +287,14 @@ class FileReader:
     def __init__(self, split: dict[str, Any], options: ParquetOptions):
         self.files, self.options = split["files"], options
         self.groups = row_groups(split)
-        self._handles: dict[int, pq.ParquetFile] = {}
+        self._local = threading.local()  # open files, per thread: the background readers read at once
 
     def _file(self, index: int) -> pq.ParquetFile:
-        if index not in self._handles:
+        handles = self._local.__dict__.setdefault("handles", {})
+        if index not in handles:
             fs, path = storage.filesystem(self.files[index]["uri"])
-            self._handles[index] = pq.ParquetFile(fs.open_input_file(path))
-        return self._handles[index]
+            handles[index] = pq.ParquetFile(fs.open_input_file(path))
+        return handles[index]
 
     def load(self, group_id: int) -> dict[str, np.ndarray]:
         group = self.groups[group_id]

@@ -166,15 +166,18 @@ class RowGroupCache:
         self.reads = 0
 
     def _read(self, group: int) -> dict[str, np.ndarray]:
-        self.reads += 1
+        with self._lock:
+            self.reads += 1
         return self._load(group)
 
     def prefetch(self, groups) -> None:
         if self._pool is None:
             return
         with self._lock:
-            for group in groups:
-                if group not in self._cache:
+            for group in groups:  # (those held already count as just used: wanted next, not dropped)
+                if group in self._cache:
+                    self._cache.move_to_end(group)
+                else:
                     self._cache[group] = self._pool.submit(self._read, group)
             self._trim()
 
@@ -210,6 +213,7 @@ def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[s
     sorted_groups = groups[order]
     unique, starts = np.unique(sorted_groups, return_index=True)
     ends = np.append(starts[1:], len(order))
+    cache.prefetch(unique.tolist())  # what is not read yet: on the background threads, at once
     loaded = [cache.get(int(g)) for g in unique]  # every group this read needs, before any is dropped
     out: dict[str, np.ndarray] = {}
     for columns, start, end in zip(loaded, starts, ends):
@@ -227,10 +231,11 @@ class StreamingShard:
 
     Steps are located and gathered a chunk at a time (a vectorised pass over as many steps as fit in
     a window's rows), and, with `read_ahead`, the next chunk's row groups are read on a background
-    thread while this chunk trains."""
+    thread while this chunk trains (`read_threads` of them, each reading a row group at a time)."""
 
     def __init__(self, row_groups: Sequence[RowGroup], load: Callable[[int], dict[str, np.ndarray]], plan,
-                 seed: int, partitions: int, window: int, read_ahead: bool = True, to_tensors=None):
+                 seed: int, partitions: int, window: int, read_ahead: bool = True, read_threads: int = 2,
+                 to_tensors=None):
         self.row_groups, self.plan, self.seed = list(row_groups), plan, seed
         self.partitions, self.window, self.read_ahead = partitions, window, read_ahead
         self._to_tensors = to_tensors or (lambda columns: columns)
@@ -252,7 +257,7 @@ class StreamingShard:
         # the rank's partitions: the windows a chunk reads, the ones a chunk reaches into, the next ones
         touched = int(np.searchsorted(self._epoch(0).offsets, self._hi, side="left")
                       - np.searchsorted(self._epoch(0).offsets, self._lo, side="right") + 1)
-        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3)
+        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3, threads=read_threads if read_ahead else 0)
         self._group_start = np.cumsum([0] + [g.rows for g in self.row_groups])  # sample id = start + row
         self._chunk: tuple[int, int, dict[str, np.ndarray]] | None = None  # (first step, steps, columns)
         self._chunk_ids: np.ndarray | None = None  # (steps, rows of this worker's part)

@@ -88,6 +88,7 @@ class TextOptions(Section):
     partitions: int = Field(16, ge=1, le=65536)
     shuffle_window: int = Field(2, ge=1, le=1024)
     read_ahead: bool = True
+    read_threads: int = Field(2, ge=1, le=64)
 
     @model_validator(mode="after")
     def _validation(self):
@@ -295,7 +296,7 @@ def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = prin
     index_options = parquet.ParquetOptions(
         path=text_plan.folder("train"), validation_path=text_plan.folder("validation"), tokens="tokens",
         vocab_size=tokenizer.get_vocab_size(), partitions=options.partitions,
-        shuffle_window=options.shuffle_window, read_ahead=options.read_ahead)
+        shuffle_window=options.shuffle_window, read_ahead=options.read_ahead, read_threads=options.read_threads)
     for split in ("train", "validation"):
         try:
             parquet.list_files(text_plan.folder(split))
