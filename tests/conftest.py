@@ -124,7 +124,9 @@ def ray_cluster():
         if ray.is_initialized():
             ray.shutdown()
         live_local_cluster()  # forgets a dead cluster's address, which Ray's state API would wait on
-        ray.init(address="local", num_cpus=2, log_to_driver=True)
+        # the plug-in examples reach the workers as a run's own Ray ships a user's (py_modules)
+        ray.init(address="local", num_cpus=2, log_to_driver=True,
+                 runtime_env={"py_modules": [str(REPO / "tests" / "plugins")]})
         _shared["up"] = True
     yield ray
 

@@ -94,3 +94,50 @@ def test_killed_worker_is_replaced_while_the_survivor_keeps_training(ray_cluster
     assert resumed.resumed and resumed.steps == 340
     assert resumed.metrics["samples_skipped"] == summary.metrics["samples_skipped"]  # no failure since
     assert len(client.search_runs([client.get_experiment_by_name("digits").experiment_id])) == 1
+
+
+def test_a_peer_dead_before_a_report_holds_the_survivor_only_until_it_is_replaced(ray_cluster, workdir):
+    """The one window where a survivor waits for a dead peer: the peer dies after a step every group
+    took and before that step's report (here: in its evaluation, the model's doing), so the survivor
+    reaches the report barrier alone. Ray Train resets the barrier when it replaces the dead group
+    (that report is skipped) and the survivor trains on, in the same process."""
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    marker = workdir / "died"
+    snapshots: list = []  # (time, the Ray Train worker processes)
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            snapshots.append((time.time(), set(train_worker_pids())))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        summary = run_training(config_lib.load(CONFIGS / "digits.yaml", OVERRIDES + [
+            "model.name=plugins.examples:dies_in_evaluation", f"model.options.marker={marker}"], name="window"),
+            log=print)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+    victim, died_at = marker.read_text().split()
+    victim, died_at = int(victim), float(died_at)
+    assert summary.steps == 300 and summary.metrics["short_steps"] >= 1
+
+    # the survivor: the victim's peer when it died; its process lives on until the replacement runs
+    (survivor,) = next(pids for t, pids in reversed(snapshots) if t < died_at and len(pids) == 2) - {victim}
+    after = [pids for t, pids in snapshots if t > died_at + 0.2]  # (a snapshot taken as it died)
+    new = set().union(*after) - {victim, survivor}
+    assert len(new) == 1, f"expected one replacement worker, saw {sorted(new)}"
+    until_replacement = after[:next(i for i, pids in enumerate(after) if new <= pids) + 1]
+    assert all(survivor in pids for pids in until_replacement), "the surviving worker was replaced too"
+
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    lost = client.get_metric_history(run.info.run_id, "replica_lost")
+    rejoined = client.get_metric_history(run.info.run_id, "replica_rejoined")
+    # the survivor's first step after the death: its wait at the barrier (until Ray Train's next
+    # health check sees the death) overlaps the 0.5 s that torchft's lighthouse takes to drop the group
+    stall_s = lost[0].timestamp / 1000 - died_at
+    print(f"a peer dead before a report -> the survivor's next step: {stall_s:.2f} s; rejoined after "
+          f"{rejoined[0].timestamp / 1000 - died_at:.2f} s")
+    assert 0 < stall_s <= 5.0
