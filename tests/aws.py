@@ -58,6 +58,75 @@ def create_bucket(endpoint: str, name: str) -> None:
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
 
 
+class Outage:
+    """A TCP forwarder on loopback to `target_port` (an endpoint such as moto_server's) that can be
+    cut: `down()` drops every connection through it and refuses new ones, `up()` serves again.
+    The endpoint behind it keeps its state: an outage of the network, not of the service."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.port = target_port, free_port()
+        self._lock = threading.Lock()
+        self._sockets: set = set()
+        self._listener = None
+        self.up()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            sockets, self._sockets = self._sockets, set()
+        for sock in [listener, *sockets]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed: down
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:  # went down meanwhile
+                    client.close(), server.close()
+                    return
+                self._sockets.update((client, server))
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 # ---------------------------------------------------------------- a fake IMDSv2 on loopback
 
 CREDENTIALS_PATH = "/latest/meta-data/iam/security-credentials/"  # lists the role; + role: its keys

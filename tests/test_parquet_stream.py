@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import wait_for
 from training.data import parquet
 from training.data.loader import BatchPlan
 from training.data.stream import RowGroup, StreamingShard, deal, steps_per_epoch
@@ -285,6 +286,83 @@ def test_the_same_layout_on_s3_is_indexed_and_streamed(tmp_path, monkeypatch, mo
     assert len(glob) == 3 and {f.partition["day"] for f in glob} == {"2026-01-01"}
     split = index["splits"]["train"]
     reader = parquet.FileReader(split, options("s3://lake/tables/t"))
-    shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2)
-    ids = np.concatenate([shard.batch(step)["x"][:, 1] for step in range(6)])
+    shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2,
+                           on_close=reader.close)
+    try:
+        ids = np.concatenate([shard.batch(step)["x"][:, 1] for step in range(6)])
+    finally:
+        shard.close()
     assert len(np.unique(ids)) == len(ids) == 48
+
+
+def test_a_read_retries_through_a_storage_outage(tmp_path, monkeypatch, moto_endpoint, caplog):
+    """The endpoint unreachable mid-run (every connection dropped, none accepted): the row group's read
+    is retried with backoff and logged until it is back, then returns the rows it would have."""
+    import logging
+    import threading
+
+    import pyarrow.fs as pafs
+
+    from aws import Outage, create_bucket, s3_env
+
+    outage = Outage(int(moto_endpoint.rsplit(":", 1)[1]))
+    for key, value in s3_env(outage.endpoint).items():
+        monkeypatch.setenv(key, value)
+    create_bucket(outage.endpoint, "outage")
+    write_spark_like(tmp_path / "t")
+    s3, _ = pafs.FileSystem.from_uri("s3://outage/")
+    pafs.copy_files(str(tmp_path / "t"), "outage/t", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
+    split = parquet.build_index(options("s3://outage/t"))["splits"]["train"]
+    reader = parquet.FileReader(split, options("s3://outage/t"),
+                                retry=parquet.RetryPolicy(attempts=8, first_delay_s=1, max_delay_s=2, budget_s=60))
+    caplog.set_level(logging.WARNING, logger="training.data.parquet")
+    outcome = {}
+    outage.down()
+    thread = threading.Thread(target=lambda: outcome.update(columns=reader.load(3)))
+    thread.start()
+    try:
+        # past pyarrow's own retries of the request (seconds), into ours: the first is logged
+        wait_for(lambda: any("retry 1 of at most 7" in r.getMessage() for r in caplog.records), 60,
+                 "the read's first retry")
+    finally:
+        outage.up()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and "columns" in outcome
+    group = reader.groups[3]
+    uri = split["files"][group.file]["uri"]
+    message = next(r.getMessage() for r in caplog.records if "retry 1 of at most 7" in r.getMessage())
+    assert message.startswith(f"reading {uri} (row group {group.index}) failed (")
+    written = pq.ParquetFile(tmp_path / "t" / uri.removeprefix("s3://outage/t/"))  # the same row group, as written
+    expected = parquet.columns_to_arrays(written.read_row_group(group.index, columns=reader.options.columns()),
+                                         reader.options)
+    assert all(np.array_equal(outcome["columns"][k], expected[k]) for k in expected)
+
+
+def test_a_file_gone_or_changed_during_a_run_fails_naming_it(tmp_path):
+    write_spark_like(tmp_path / "t")
+    split = parquet.build_index(options(tmp_path / "t"))["splits"]["train"]
+    reader = parquet.FileReader(split, options(tmp_path / "t"),
+                                retry=parquet.RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.01))
+    by_file = {}
+    for group_id, group in enumerate(reader.groups):
+        by_file.setdefault(group.file, group_id)
+    (gone, gone_group), (changed, changed_group) = list(by_file.items())[:2]
+    reader.load(gone_group)  # read before the file went: opened files stay readable until closed
+    os.remove(split["files"][gone]["uri"])
+    shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2,
+                           on_close=reader.close)
+    try:
+        fresh = parquet.FileReader(split, options(tmp_path / "t"))  # (a new worker: opens the file now)
+        with pytest.raises(parquet.DataError, match=rf"^{split['files'][gone]['uri']} is gone: deleted or moved "
+                                                    r"during the run.*restore it and resume"):
+            fresh.load(gone_group)
+        with pytest.raises(parquet.DataError, match=" is gone: "):  # through the loader's read-ahead
+            for step in range(shard.steps_per_epoch):
+                shard.batch(step)
+    finally:
+        shard.close()
+    path = split["files"][changed]["uri"]
+    table = pq.read_table(path)
+    pq.write_table(table.slice(0, table.num_rows // 2), path)
+    with pytest.raises(parquet.DataError, match=rf"^{path} changed during the run \(size \d+ -> \d+ bytes\)"):
+        parquet.FileReader(split, options(tmp_path / "t")).load(changed_group)

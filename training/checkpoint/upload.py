@@ -18,42 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pyarrow.fs as pafs
 
 from training import storage
-from training.backoff import exponential_backoff_s
+from training.backoff import RetryPolicy
 from training.checkpoint import format as ckpt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long one whole upload may keep trying: `attempts` failures at most, and never a wait
-    that would end past `budget_s` seconds after the upload began."""
-
-    attempts: int = 6
-    first_delay_s: float = 1.0
-    max_delay_s: float = 30.0
-    budget_s: float = 120.0
-
-    def within(self, budget_s: Optional[float]) -> "RetryPolicy":
-        """This policy with at most `budget_s` seconds (None: unchanged)."""
-        if budget_s is None:
-            return self
-        return RetryPolicy(self.attempts, self.first_delay_s, self.max_delay_s, max(0.0, min(self.budget_s, budget_s)))
-
-    def delay_s(self, failures: int, elapsed_s: float) -> Optional[float]:
-        """The wait before the next attempt after `failures` failures, `elapsed_s` into the upload;
-        None: give up (no attempts left, or the wait would end past the budget)."""
-        if failures >= self.attempts:
-            return None
-        delay = exponential_backoff_s(failures, self.first_delay_s, self.max_delay_s)
-        return delay if elapsed_s + delay < self.budget_s else None
 
 
 class UploadFailed(OSError):

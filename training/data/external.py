@@ -131,4 +131,4 @@ def train_stream(manifest, plan, seed: int) -> StreamingShard:
     reader = parquet.FileReader(manifest.splits["train"], options)
     return StreamingShard(reader.groups, reader.load, plan, seed=seed, partitions=options.partitions,
                           window=options.shuffle_window, read_ahead=options.read_ahead,
-                          read_threads=options.read_threads, to_tensors=_tensors)
+                          read_threads=options.read_threads, to_tensors=_tensors, on_close=reader.close)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import math
 import posixpath
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -35,12 +37,18 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from training import storage
+from training.backoff import RetryPolicy
+from training.redaction import redact
 from training.data.stream import RowGroup
 from training.schema import Section
 
 SKIPPED_PREFIXES = ("_", ".")
 SKIPPED_SUFFIXES = (".crc", ".tmp", ".inprogress")
 FOOTER_THREADS = 16
+# a row group's read during training: a storage outage of up to about two minutes is waited out
+READ_RETRY = RetryPolicy(attempts=8, first_delay_s=1.0, max_delay_s=30.0, budget_s=120.0)
+
+log = logging.getLogger(__name__)
 
 
 class TransformOptions(Section):
@@ -282,24 +290,66 @@ def _list_matrix(column: pa.ChunkedArray, dtype, name: str) -> np.ndarray:
 
 
 class FileReader:
-    """Reads row groups of one split's files by row-group id (see `row_groups`)."""
+    """Reads row groups of one split's files by row-group id (see `row_groups`).
 
-    def __init__(self, split: dict[str, Any], options: ParquetOptions):
+    During a run the files must stay as they were indexed: a file that is gone, or whose size is not
+    the indexed one, fails the read with a DataError naming it (never a silent skip; a resume then
+    names it too, see external.check_unchanged). Any other storage error (a dropped connection, a
+    throttled request, an endpoint restarting) is retried with backoff and logged, within `retry`
+    for each row group's read, with the file opened again."""
+
+    def __init__(self, split: dict[str, Any], options: ParquetOptions, retry: RetryPolicy = READ_RETRY,
+                 sleep=None, clock=time.monotonic):
         self.files, self.options = split["files"], options
         self.groups = row_groups(split)
+        self.retry, self._clock = retry, clock
+        self._sleep = sleep or (lambda seconds: self._closed.wait(seconds))  # (cut short by close)
         self._local = threading.local()  # open files, per thread: the background readers read at once
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        """Reads waiting to retry give up at once (a closed loader's read-ahead threads end)."""
+        self._closed.set()
 
     def _file(self, index: int) -> pq.ParquetFile:
         handles = self._local.__dict__.setdefault("handles", {})
         if index not in handles:
-            fs, path = storage.filesystem(self.files[index]["uri"])
+            entry = self.files[index]
+            fs, path = storage.filesystem(entry["uri"])
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.NotFound:
+                raise FileNotFoundError(path)
+            if entry.get("size") is not None and info.size != entry["size"]:
+                raise DataError(f"{entry['uri']} changed during the run (size {entry['size']} -> {info.size} bytes): "
+                                "training data must stay as it was when the run started; restore the file, or "
+                                "start a new run (--name) on the data as it is now")
             handles[index] = pq.ParquetFile(fs.open_input_file(path))
         return handles[index]
 
     def load(self, group_id: int) -> dict[str, np.ndarray]:
         group = self.groups[group_id]
-        table = self._file(group.file).read_row_group(group.index, columns=self.options.columns())
-        return columns_to_arrays(table, self.options)
+        uri = self.files[group.file]["uri"]
+        started, failures = self._clock(), 0
+        while True:
+            try:
+                table = self._file(group.file).read_row_group(group.index, columns=self.options.columns())
+                return columns_to_arrays(table, self.options)
+            except FileNotFoundError:
+                raise DataError(f"{uri} is gone: deleted or moved during the run. Training data must stay where "
+                                "it was when the run started; restore it and resume the run (the same --name), "
+                                "or start a new run on the data as it is now") from None
+            except OSError as exc:  # pyarrow's storage errors
+                self._local.__dict__.get("handles", {}).pop(group.file, None)  # opened again on the next try
+                failures += 1
+                elapsed = self._clock() - started
+                delay = self.retry.delay_s(failures, elapsed)
+                reason = redact(str(exc).splitlines()[0][:200]) if str(exc) else type(exc).__name__
+                if delay is None or self._closed.is_set():
+                    raise DataError(f"reading {uri} (row group {group.index}) failed {failures} times in "
+                                    f"{elapsed:.0f} s; giving up: {reason}") from None
+                log.warning("reading %s (row group %d) failed (%s); retry %d of at most %d in %.0f s", uri,
+                            group.index, reason, failures, self.retry.attempts - 1, delay)
+                self._sleep(delay)
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Rows by position in the split (files in order, row groups in order)."""
@@ -362,7 +412,7 @@ def _max_stat(footers, column: str) -> Optional[float]:
 
 
 def _spec(options: ParquetOptions, footers, schemas) -> dict[str, int]:
-    sample = FileReader({"files": [{k: footers[0][k] for k in ("uri", "row_groups")}]}, options)
+    sample = FileReader({"files": [{k: footers[0][k] for k in ("uri", "size", "row_groups")}]}, options)
     first = next((i for i, g in enumerate(sample.groups) if g.rows), None)
     arrays = sample.load(first)
     if options.tokens:

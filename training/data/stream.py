@@ -235,8 +235,9 @@ class StreamingShard:
 
     def __init__(self, row_groups: Sequence[RowGroup], load: Callable[[int], dict[str, np.ndarray]], plan,
                  seed: int, partitions: int, window: int, read_ahead: bool = True, read_threads: int = 2,
-                 to_tensors=None):
+                 to_tensors=None, on_close: Callable[[], None] | None = None):
         self.row_groups, self.plan, self.seed = list(row_groups), plan, seed
+        self._on_close = on_close
         self.partitions, self.window, self.read_ahead = partitions, window, read_ahead
         self._to_tensors = to_tensors or (lambda columns: columns)
         self._epochs: dict[int, EpochPlan] = {}
@@ -307,4 +308,6 @@ class StreamingShard:
         return self._chunk_ids[step - self._chunk[0]]
 
     def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()  # (before the pool's shutdown: a read waiting to retry ends now)
         self.cache.close()

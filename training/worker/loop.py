@@ -217,6 +217,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                       flush=True)
             preemption.hold()
         progress.next_window()
+    if hasattr(train_data, "close"):  # a streamed split's read-ahead threads
+        train_data.close()
     if group:
         group.shutdown()
     if sampler:
