@@ -77,7 +77,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| streaming loader | {v['loader_rows_per_s']:.0f} rows/s (rank 0 of 2) vs raw "
                      f"{v['raw_iter_batches_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw "
                      f"(spread {v['loader_spread'][0]:.2f}-{v['loader_spread'][1]:.2f}); reads "
-                     f"{v['read_fraction_per_worker']:.2f} of the row groups; RSS growth "
+                     f"{v['read_fraction_per_worker']:.2f} of the row groups; CPU per row "
+                     f"{_f(v.get('loader_cpu_per_row_vs_raw'), 2)}x raw's on {_f(v.get('loader_cores_busy'), 2)} cores "
+                     f"busy (raw {_f(v.get('raw_cores_busy'), 2)}); RSS growth "
                      f"{v['rss_growth_vs_budget']:.2f}x its {v['budget_mb']} MB budget | the `parquet` source's loader "
                      f"on {v['dataset_mb']} MB of generated rows ({v['dataset_vs_budget']:.1f}x the budget), one "
                      f"worker's part, vs `ParquetFile.iter_batches` of the same files, interleaved |")
