@@ -47,20 +47,20 @@ def newest_checkpoint(run_dir) -> int:
 
 
 
-def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
+def kill_at_a_checkpoint_then_resume(tmp_path, command, steps):
+    """Run `command`, SIGKILL its driver and everything in its session at the first checkpoint after
+    MLflow has the run's first metrics, run it again; returns (the checkpoint step it was killed at,
+    the second run's output, the MLflow client). The second run must finish all `steps`."""
     import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
-
-    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    from mlflow.tracking import MlflowClient
 
     log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen(COMMAND, cwd=tmp_path, env=environment(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+    first = subprocess.Popen(command, cwd=tmp_path, env=environment(tmp_path), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     run_dir = tmp_path / "runs" / "laptop"
     deadline = time.monotonic() + 300
     # Killed at the first checkpoint after MLflow has the run's first metrics (metrics still queued
     # in the killed processes, seconds' worth while the tracker starts, are not what this is about).
-    from mlflow.tracking import MlflowClient
-
     client, tracked_since = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), None
     try:
         while True:
@@ -76,18 +76,47 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_d
     finally:
         kill_everything_started_under(tmp_path)
     killed_at = newest_checkpoint(run_dir)
-    assert killed_at < STEPS
+    assert killed_at < steps
 
-    second = subprocess.run(COMMAND, cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True,
+    second = subprocess.run(command, cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True,
                             timeout=600)
     output = second.stdout + second.stderr
     assert second.returncode == 0, output[-4000:]
-    assert "run laptop: resuming" in output and f"run laptop finished: {STEPS} steps" in output
+    assert "run laptop: resuming" in output and f"run laptop finished: {steps} steps" in output
     resumed = [line for line in output.splitlines() if "resumed from step" in line]
     assert resumed and int(resumed[0].split("resumed from step ")[1].split()[0]) >= killed_at
+    return killed_at, output, client
 
+
+def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    _, _, client = kill_at_a_checkpoint_then_resume(tmp_path, COMMAND, STEPS)
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run
     assert run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == sorted(set(steps)), "a step logged twice"  # continuing by step
     assert steps[0] <= 200 and steps[-1] == STEPS
+
+
+CONTINUE_STEPS = 400
+CONTINUE = [sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--name", "laptop",
+            "--set", f"train.max_steps={CONTINUE_STEPS}", "--set", "checkpoint.every_n_steps=50",
+            "--set", "train.eval_every_n_steps=200", "--set", "train.global_batch_size=32",
+            "--set", "failure.mode=continue", "--set", "scaling.num_workers=2",
+            "--set", "scaling.cpus_per_worker=0.5",  # (2 CPUs: two workers and torchft's lighthouse)
+            "--set", "train.min_report_interval_s=0", "--set", "tracking.register_model=false"]
+
+
+def test_a_killed_driver_in_continue_mode_is_resumed_by_the_same_command(tmp_path, empty_mlflow_db):
+    """failure.mode continue keeps training through a dead worker, not a dead driver: with the driver
+    (and the lighthouse, the controller and every worker with it) gone, the same command resumes
+    from storage as in restart mode, every replica group from the same checkpoint."""
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    killed_at, output, client = kill_at_a_checkpoint_then_resume(tmp_path, CONTINUE, CONTINUE_STEPS)
+    (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])  # one run
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == CONTINUE_STEPS
+    replicas = client.get_metric_history(run.info.run_id, "replicas")
+    assert replicas and replicas[-1].step == CONTINUE_STEPS and replicas[-1].value == 2
+    assert any(m.step > killed_at for m in replicas)  # the resumed groups report as replica groups
