@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # tests/test_chaos_continue.py runs, and the sweep row, two Tune sweeps whose ASHA path
 # tests/test_tuning_ray.py runs (its files and arithmetic: tests/test_bench_math.py). Quick mode
 # leaves those out unless asked for (bench/__main__.py).
-ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,data_path,tokenizing,gpu,system_metrics",
-            "faults": "recovery,checkpoint,overhead"}  # (checkpoint, overhead: here for the two lanes' balance)
+ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,overhead,data_path,tokenizing,gpu,system_metrics",
+            "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
 LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
 
 
@@ -41,6 +41,8 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     rows = results["rows"]
     assert set(ROW_SETS["single"].split(",")) == set(rows)
     assert 0 < rows["memory"]["fsdp_vs_ddp_ratio"] < 1
+    assert set(rows["overhead"]) == {"digits_2w"}  # quick mode: one case
+    assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
     assert rows["cold_start"]["command_to_first_step_s"] > 0
     assert all(v["loader_rows_per_s_per_worker"] > 0 for v in rows["data_path"].values())
     streaming = rows["streaming"]
@@ -53,16 +55,14 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     system = rows["system_metrics"]
     assert 0 < system["sample_cpu_s"] < 1 and "throughput" not in system  # quick: the sampler's cost only
     assert "| system metrics |" in table and "system_metrics_core_share_at_default_interval" in results["ratios"]
-    assert results["machine"]["cores"] >= 1 and "quick mode" in table
+    assert "overhead_ratio_digits_2w" in results["ratios"] and results["machine"]["cores"] >= 1
+    assert "| overhead digits_2w |" in table and "quick mode" in table
 
 
-def test_quick_bench_runs_the_recovery_checkpoint_and_overhead_rows(tmp_path):
+def test_quick_bench_runs_the_recovery_and_checkpoint_rows(tmp_path):
     results, table = quick_bench(tmp_path, ROW_SETS["faults"])
     rows = results["rows"]
-    assert set(rows) == {"recovery", "checkpoint", "overhead"}
-    assert set(rows["overhead"]) == {"digits_2w"}  # quick mode: one case
-    assert all(v["overhead_ratio"] > 0 for v in rows["overhead"].values())
-    assert "overhead_ratio_digits_2w" in results["ratios"] and "| overhead digits_2w |" in table
+    assert set(rows) == {"recovery", "checkpoint"}
     assert rows["checkpoint"]["checkpoint_mb"] > 1 and rows["checkpoint"]["disk_write_mb_per_s"] > 0
     assert rows["recovery"]["kills"] >= 1 and rows["recovery"]["recoveries_measured"] >= 1
     assert rows["recovery"]["efficiency"] is None and "quick mode: no twin" in table  # (no failure-free twin)

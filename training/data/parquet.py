@@ -320,7 +320,7 @@ class FileReader:
             if info.type == pafs.FileType.NotFound:
                 raise FileNotFoundError(path)
             if entry.get("size") is not None and info.size != entry["size"]:
-                raise DataError(f"{entry['uri']} changed during the run (size {entry['size']} -> {info.size} bytes): "
+                raise DataError(f"{redact(entry['uri'])} changed during the run (size {entry['size']} -> {info.size} bytes): "
                                 "training data must stay as it was when the run started; restore the file, or "
                                 "start a new run (--name) on the data as it is now")
             handles[index] = pq.ParquetFile(fs.open_input_file(path))
@@ -328,7 +328,7 @@ class FileReader:
 
     def load(self, group_id: int) -> dict[str, np.ndarray]:
         group = self.groups[group_id]
-        uri = self.files[group.file]["uri"]
+        uri = redact(self.files[group.file]["uri"])  # (for messages: a URI may carry a key)
         started, failures = self._clock(), 0
         while True:
             try:
