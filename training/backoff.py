@@ -1,6 +1,7 @@
 """Exponential backoff between retries: one pure formula, imported wherever this project retries
 (the tracking sender on the driver and the Ray Train controller, checkpoint uploads, data reads),
-and the budget of one action's retries."""
+and the budget of one action's retries (pure: the tracking policy imports it, see training/retry.py
+for the loop that sleeps and logs)."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -36,3 +37,4 @@ class RetryPolicy:
             return None
         delay = exponential_backoff_s(failures, self.first_delay_s, self.max_delay_s)
         return delay if elapsed_s + delay < self.budget_s else None
+

@@ -25,6 +25,7 @@ import pyarrow.fs as pafs
 
 from training import storage
 from training.backoff import RetryPolicy
+from training.retry import Retrier
 from training.checkpoint import format as ckpt
 
 log = logging.getLogger(__name__)
@@ -46,34 +47,9 @@ class UploadFailed(OSError):
         return cls(f"{what} failed {failures} times in {elapsed_s:.0f} s; giving up: {reason}")
 
 
-class Retrier:
-    """One upload's retries: every action of the upload draws on the same policy and clock."""
-
-    def __init__(self, policy: RetryPolicy, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
-        self.policy, self.clock, self.sleep = policy, clock, sleep
-        self.started_s, self.failures = clock(), 0
-
-    def run(self, action: Callable[[], None], what: str) -> None:
-        while True:
-            try:
-                action()
-                return
-            except OSError as exc:  # pyarrow raises OSError subclasses for storage errors
-                self.failures += 1
-                elapsed = self.clock() - self.started_s
-                delay = self.policy.delay_s(self.failures, elapsed)
-                if delay is None:
-                    raise UploadFailed.of(what, self.failures, elapsed, exc) from exc
-                log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s used)", what,
-                            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, self.failures,
-                            self.policy.attempts - 1, delay, elapsed, self.policy.budget_s)
-                self.sleep(delay)
-
-
 def with_retries(action: Callable[[], None], what: str, policy: RetryPolicy = RetryPolicy(),
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
-    Retrier(policy, clock, sleep).run(action, what)
+    Retrier(policy, UploadFailed.of, log, clock, sleep).run(action, what)
 
 
 def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPolicy = RetryPolicy(), *,
@@ -83,7 +59,7 @@ def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPoli
     Raises UploadFailed once the policy's attempts or seconds are used up, all files together."""
     fs, destination = storage.filesystem(storage.join(run_dir, dir_name))
     local = pafs.LocalFileSystem()
-    retrier = Retrier(policy, clock, sleep)
+    retrier = Retrier(policy, UploadFailed.of, log, clock, sleep)
     retrier.run(lambda: fs.create_dir(destination, recursive=True), f"creating {destination}")
     for name in ckpt.upload_order(p.name for p in Path(local_dir).iterdir()):
         source, target = str(Path(local_dir) / name), f"{destination}/{name}"

@@ -25,7 +25,6 @@ import logging
 import math
 import posixpath
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
@@ -38,6 +37,7 @@ from pydantic import Field, model_validator
 
 from training import storage
 from training.backoff import RetryPolicy
+from training.retry import Retrier, first_line
 from training.redaction import redact
 from training.data.stream import RowGroup
 from training.schema import Section
@@ -298,12 +298,9 @@ class FileReader:
     throttled request, an endpoint restarting) is retried with backoff and logged, within `retry`
     for each row group's read, with the file opened again."""
 
-    def __init__(self, split: dict[str, Any], options: ParquetOptions, retry: RetryPolicy = READ_RETRY,
-                 sleep=None, clock=time.monotonic):
-        self.files, self.options = split["files"], options
+    def __init__(self, split: dict[str, Any], options: ParquetOptions, retry: RetryPolicy = READ_RETRY):
+        self.files, self.options, self.retry = split["files"], options, retry
         self.groups = row_groups(split)
-        self.retry, self._clock = retry, clock
-        self._sleep = sleep or (lambda seconds: self._closed.wait(seconds))  # (cut short by close)
         self._local = threading.local()  # open files, per thread: the background readers read at once
         self._closed = threading.Event()
 
@@ -329,27 +326,27 @@ class FileReader:
     def load(self, group_id: int) -> dict[str, np.ndarray]:
         group = self.groups[group_id]
         uri = redact(self.files[group.file]["uri"])  # (for messages: a URI may carry a key)
-        started, failures = self._clock(), 0
-        while True:
+
+        def read() -> pa.Table:
             try:
-                table = self._file(group.file).read_row_group(group.index, columns=self.options.columns())
-                return columns_to_arrays(table, self.options)
+                return self._file(group.file).read_row_group(group.index, columns=self.options.columns())
             except FileNotFoundError:
                 raise DataError(f"{uri} is gone: deleted or moved during the run. Training data must stay where "
                                 "it was when the run started; restore it and resume the run (the same --name), "
                                 "or start a new run on the data as it is now") from None
-            except OSError as exc:  # pyarrow's storage errors
+            except OSError:
                 self._local.__dict__.get("handles", {}).pop(group.file, None)  # opened again on the next try
-                failures += 1
-                elapsed = self._clock() - started
-                delay = self.retry.delay_s(failures, elapsed)
-                reason = redact(str(exc).splitlines()[0][:200]) if str(exc) else type(exc).__name__
-                if delay is None or self._closed.is_set():
-                    raise DataError(f"reading {uri} (row group {group.index}) failed {failures} times in "
-                                    f"{elapsed:.0f} s; giving up: {reason}") from None
-                log.warning("reading %s (row group %d) failed (%s); retry %d of at most %d in %.0f s", uri,
-                            group.index, reason, failures, self.retry.attempts - 1, delay)
-                self._sleep(delay)
+                raise
+
+        def give_up(what: str, failures: int, elapsed_s: float, exc: BaseException) -> DataError:
+            return DataError(f"{what} failed {failures} times in {elapsed_s:.0f} s; giving up: {first_line(exc)}")
+
+        def wait(seconds: float) -> None:
+            if self._closed.wait(seconds):
+                raise DataError(f"reading {uri}: the loader was closed while the read waited to retry")
+
+        table = Retrier(self.retry, give_up, log, sleep=wait).run(read, f"reading {uri} (row group {group.index})")
+        return columns_to_arrays(table, self.options)
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Rows by position in the split (files in order, row groups in order)."""

@@ -1,0 +1,46 @@
+"""Storage actions retried with backoff and logged: checkpoint uploads (training/checkpoint/upload.py)
+and row-group reads of training data (training/data/parquet.py), each under a `RetryPolicy`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, TypeVar
+
+from training.backoff import RetryPolicy
+from training.redaction import redact
+
+T = TypeVar("T")
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line for a message (secrets in it redacted), or its type's name."""
+    return redact(str(exc).splitlines()[0][:200]) if str(exc) else type(exc).__name__
+
+
+class Retrier:
+    """Storage actions retried on OSError (pyarrow's storage errors) under one policy and clock:
+    one `Retrier` per budget (a whole checkpoint upload, every file of it; one read of data). Each
+    retry is logged on `log`; past the policy, `give_up(what, failures, elapsed_s, error)` makes the
+    exception raised."""
+
+    def __init__(self, policy: RetryPolicy, give_up: Callable[[str, int, float, BaseException], Exception],
+                 log: logging.Logger, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], object] = time.sleep):
+        self.policy, self.give_up, self.log, self.clock, self.sleep = policy, give_up, log, clock, sleep
+        self.started_s, self.failures = clock(), 0
+
+    def run(self, action: Callable[[], T], what: str) -> T:
+        while True:
+            try:
+                return action()
+            except OSError as exc:
+                self.failures += 1
+                elapsed = self.clock() - self.started_s
+                delay = self.policy.delay_s(self.failures, elapsed)
+                if delay is None:
+                    raise self.give_up(what, self.failures, elapsed, exc) from exc
+                self.log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s used)", what,
+                                 first_line(exc), self.failures, self.policy.attempts - 1, delay, elapsed,
+                                 self.policy.budget_s)
+                self.sleep(delay)
