@@ -118,6 +118,9 @@ def ratios(rows_: dict) -> dict:
     found = {}
     for key, value in rows_.get("overhead", {}).items():
         found[f"overhead_ratio_{key}"] = value["overhead_ratio"]
+        if value.get("vs_raytrain") is not None:  # (results from before the plain Ray Train side: none)
+            found[f"overhead_vs_raytrain_{key}"] = value["vs_raytrain"]
+            found[f"overhead_raytrain_vs_baseline_{key}"] = value["raytrain_vs_baseline"]
     if "checkpoint" in rows_:
         for key in ("sync_step_overhead", "async_step_overhead", "write_throughput_ratio"):
             if rows_["checkpoint"][key] is not None:  # (quick mode: neither stall is measured)
@@ -144,12 +147,15 @@ def ratios(rows_: dict) -> dict:
     if rows_.get("recovery", {}).get("efficiency") is not None:
         found["recovery_efficiency_failure_every_60s"] = rows_["recovery"]["efficiency"]
     if (rows_.get("recovery_continue") or {}).get("efficiency") is not None:
-        found["recovery_continue_goodput_efficiency_failure_every_60s"] = rows_["recovery_continue"]["goodput_efficiency"]
+        found["recovery_continue_goodput_efficiency_failure_every_60s"] = \
+            rows_["recovery_continue"]["goodput_efficiency"]
     if rows_.get("recovery", {}).get("kill_to_next_step_vs_plain_ray_train") is not None:
-        found["restart_kill_to_next_step_vs_plain_ray_train"] = rows_["recovery"]["kill_to_next_step_vs_plain_ray_train"]
+        found["restart_kill_to_next_step_vs_plain_ray_train"] = \
+            rows_["recovery"]["kill_to_next_step_vs_plain_ray_train"]
     if rows_.get("continuous", {}).get("kill_to_next_step_s_median") is not None:
         found["continuous_kill_to_survivor_next_step_s"] = rows_["continuous"]["kill_to_next_step_s_median"]
-        found["continuous_val_loss_vs_failure_free_twin"] = rows_["continuous"]["val_loss_chaos_vs_twin"]["ratio_median"]
+        found["continuous_val_loss_vs_failure_free_twin"] = \
+            rows_["continuous"]["val_loss_chaos_vs_twin"]["ratio_median"]
     if rows_.get("sweep", {}).get("steps_to_target_ratio") is not None:
         found["sweep_asha_vs_random_steps_to_target"] = rows_["sweep"]["steps_to_target_ratio"]
     return found

@@ -27,7 +27,8 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
-            "python": platform.python_version(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def service_job(config: str, overrides: list[str], name: str):
@@ -84,14 +85,19 @@ def median(values):
     return statistics.median(values)
 
 
-def interleaved(measure_a, measure_b, rounds: int) -> tuple[list[float], list[float]]:
-    """A B A B ...: `rounds` measurements of each side, alternating, so that a drift in the
-    machine's speed (another job starting, a CPU throttling) weighs on both sides alike."""
-    a, b = [], []
+def interleaved(*sides, rounds: int | None = None) -> tuple[list[float], ...]:
+    """A B A B ... (or A B C A B C ... for three sides): `rounds` measurements of each side, in turn,
+    so that a drift in the machine's speed (another job starting, a CPU throttling) weighs on every
+    side alike. `interleaved(a, b, c, rounds=3)`; `interleaved(a, b, 3)` reads the last argument as
+    the rounds. One list of measurements per side, in the order given."""
+    if rounds is None:
+        *sides, rounds = sides
+    assert len(sides) >= 2 and all(callable(side) for side in sides), "two or more measuring functions"
+    found: tuple[list[float], ...] = tuple([] for _ in sides)
     for _ in range(rounds):
-        a.append(measure_a())
-        b.append(measure_b())
-    return a, b
+        for measure, measured in zip(sides, found):
+            measured.append(measure())
+    return found
 
 
 def paired_ratios(a: list[float], b: list[float]) -> dict:

@@ -39,17 +39,35 @@ def median_of(values: list) -> float:
     return statistics.median(values)
 
 
+def _overhead_line(key: str, v: dict) -> str:
+    """Service vs plain Ray Train vs the baseline, with the ratio of each two; a result from before
+    the plain Ray Train side had only the service and the baseline."""
+    pairs = v.get("pairs") or {"ratio_min": v["overhead_ratio"], "ratio_max": v["overhead_ratio"], "rounds": 1}
+    how = (f"steady-state samples/s (first {v.get('warmup_steps', v['steps'] // 5)} of {v['steps']} steps excluded), "
+           f"service on Ray Train vs ")
+    if v.get("vs_raytrain") is None:
+        return (f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "
+                f"| **{v['overhead_ratio']:.3f}** ({spread(pairs)}; {pairs['rounds']} interleaved pair(s)) | {how}"
+                f"{v['baseline']}, same model, data, batch, threads |")
+    ours, theirs = v["vs_raytrain_pairs"], v["raytrain_vs_baseline_pairs"]
+    return (f"| overhead {key} | service {v['service_samples_per_s']:.0f} vs plain Ray Train "
+            f"{v['raytrain_samples_per_s']:.0f} vs {v['baseline']} {v['baseline_samples_per_s']:.0f} samples/s "
+            f"| vs plain Ray Train **{v['vs_raytrain']:.3f}** (target >= 0.97; {spread(ours)}); "
+            f"vs {v['baseline']} **{v['overhead_ratio']:.3f}** ({spread(pairs)}); plain Ray Train vs "
+            f"{v['baseline']} {v['raytrain_vs_baseline']:.3f} ({spread(theirs)}); {pairs['rounds']} interleaved "
+            f"round(s) | {how}a plain Ray Train V2 loop (TorchTrainer, DDP through `prepare_model`, "
+            f"bench/baseline_raytrain.py) vs {v['baseline']}, same model, data, batch, workers, threads |")
+
+
 def markdown(results: dict) -> str:
     m, r = results["machine"], results["rows"]
     lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
-             f"{m['cpu'] or 'unknown CPU'}, {m['cores']} cores, torch {m['torch']}, Ray {m['ray']}, Python {m['python']}"
+             f"{m['cpu'] or 'unknown CPU'}, {m['cores']} cores, torch {m['torch']}, Ray {m['ray']}, "
+             f"Python {m['python']}"
              f"{', ' + m['cuda'] if m.get('cuda') else ''}.{_took(results)}", "",
              "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
     for key, v in r.get("overhead", {}).items():
-        pairs = v.get("pairs") or {"ratio_min": v["overhead_ratio"], "ratio_max": v["overhead_ratio"], "rounds": 1}
-        lines.append(f"| overhead {key} | {v['service_samples_per_s']:.0f} vs {v['baseline_samples_per_s']:.0f} samples/s "
-                     f"| **{v['overhead_ratio']:.3f}** ({spread(pairs)}; {pairs['rounds']} interleaved pair(s)) | steady-state samples/s (first {v.get('warmup_steps', v['steps'] // 5)} of "
-                     f"{v['steps']} steps excluded), service on Ray Train vs {v['baseline']}, same model, data, batch, threads |")
+        lines.append(_overhead_line(key, v))
     if "cold_start" in r:
         c = r["cold_start"]
         lines.append(f"| cold start | {c['command_to_first_step_s']:.1f} s to first step | — | `python -m training` "
@@ -62,9 +80,11 @@ def markdown(results: dict) -> str:
         synchronous = "n/a" if c["sync_step_overhead"] is None else f"{100 * c['sync_step_overhead']:.1f}%"
         lines.append(f"| checkpoint stall | sync {synchronous}, async "
                      f"{asynchronous} of throughput | — | tinylm 3.2M params, "
-                     f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, vs no checkpoint "
+                     f"{c['checkpoint_mb']} MB checkpoint every {c['every_n_steps']} steps, 2 workers, "
+                     "vs no checkpoint "
                      "(all three evaluate at that cadence, as a scored checkpoint does) |")
-        lines.append(f"| checkpoint write | {c['checkpoint_write_mb_per_s']:.0f} MB/s vs disk {c['disk_write_mb_per_s']:.0f} MB/s "
+        lines.append(f"| checkpoint write | {c['checkpoint_write_mb_per_s']:.0f} MB/s vs disk "
+                     f"{c['disk_write_mb_per_s']:.0f} MB/s "
                      f"| **{c['write_throughput_ratio']:.2f}** | serialize + copy to storage (blocking time of a sync "
                      f"checkpoint) vs raw write+fsync of the same bytes |")
     for task, v in r.get("data_path", {}).items():
@@ -87,25 +107,30 @@ def markdown(results: dict) -> str:
         v = r["tokenizing"]
         lines.append(f"| tokenizing | Ray Data {v['ray_data_rows_per_s']:.0f} rows/s vs one process "
                      f"{v['one_process_rows_per_s']:.0f} rows/s | **{v['ray_data_vs_one_process']:.2f}** (spread "
-                     f"{v['ratio_spread'][0]:.2f}-{v['ratio_spread'][1]:.2f}) | the `text` source's Ray Data pipeline on "
+                     f"{v['ratio_spread'][0]:.2f}-{v['ratio_spread'][1]:.2f}) | the `text` source's Ray Data "
+                     "pipeline on "
                      f"{v['cluster_cpus']} CPUs vs Hugging Face `tokenizers` in one process, {v['text_mb']} MB of "
                      f"generated text in {v['files']} files, packed into {v['rows']} rows and written as Parquet |")
     if "system_metrics" in r:
         v = r["system_metrics"]
         pair = v.get("throughput")
-        measured = (f"digits 2 workers {median_of(v['sampled_samples_per_s']):.0f} vs {median_of(v['unsampled_samples_per_s']):.0f} "
+        measured = (f"digits 2 workers {median_of(v['sampled_samples_per_s']):.0f} vs "
+                    f"{median_of(v['unsampled_samples_per_s']):.0f} "
                     f"samples/s; " if pair else "") + f"one sample {1000 * v['sample_cpu_s']:.2f} ms CPU"
         ratio = f"**{pair['ratio_median']:.3f}** ({spread(pair)}); " if pair else ""
         how = (f"throughput with a sample every {v['sampled_interval_s']:.0f} s on each node vs sampling off, "
                f"interleaved, {pair['rounds']} rounds (first {v['warmup_steps']} of {v['steps']} steps excluded); "
                if pair else "") + "one sample's CPU time (MLflow's monitors, throughput, RSS) over the interval"
-        lines.append(f"| system metrics | {measured} | {ratio}{100 * v['core_share_at_default_interval']:.3f}% of a core "
+        lines.append(f"| system metrics | {measured} | {ratio}{100 * v['core_share_at_default_interval']:.3f}% "
+                     "of a core "
                      f"at the default {v['default_interval_s']:.0f} s | {how} |")
     for source, v in r.get("driver_memory", {}).items():
-        lines.append(f"| driver memory, {source} | peak RSS {v['large_peak_rss_mb']} MB preparing {v['large_mb']} MB vs "
-                     f"{v['small_peak_rss_mb']} MB preparing {v['small_mb']} MB | **{v['large_vs_small_peak_rss']:.2f}** | "
+        lines.append(f"| driver memory, {source} | peak RSS {v['large_peak_rss_mb']} MB preparing {v['large_mb']} MB "
+                     f"vs {v['small_peak_rss_mb']} MB preparing {v['small_mb']} MB | "
+                     f"**{v['large_vs_small_peak_rss']:.2f}** | "
                      f"the driver's whole process, preparing generated data 10x larger than another (each in a fresh "
-                     f"process; {'an index of Parquet footers' if source == 'parquet' else 'tokenized in the driver'}) |")
+                     f"process; {'an index of Parquet footers' if source == 'parquet' else 'tokenized in the driver'}"
+                     ") |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "
@@ -115,21 +140,29 @@ def markdown(results: dict) -> str:
     if r.get("continuous"):
         v = r["continuous"]
         loss = v["val_loss_chaos_vs_twin"]
-        lines.append(f"| continuous (failure.mode continue) | kill -> a survivor's next step {_f(v['kill_to_next_step_s_median'], 2)} s "
-                     f"(max {_f(v['kill_to_next_step_s_max'], 2)}); the replacement back after {_f(v.get('kill_to_rejoin_s_median'), 1)} s | val_loss vs failure-free twin **{_f(loss['ratio_median'])}** "
-                     f"(min {_f(loss['ratio_min'])}, max {_f(loss['ratio_max'])}) | digits, 2 workers, {v['steps']} steps, "
-                     f"one worker SIGKILLed after the first checkpoint; twin and chaos runs interleaved, {v['rounds']} of each |")
+        lines.append(f"| continuous (failure.mode continue) | kill -> a survivor's next step "
+                     f"{_f(v['kill_to_next_step_s_median'], 2)} s "
+                     f"(max {_f(v['kill_to_next_step_s_max'], 2)}); the replacement back after "
+                     f"{_f(v.get('kill_to_rejoin_s_median'), 1)} s | val_loss vs failure-free twin "
+                     f"**{_f(loss['ratio_median'])}** "
+                     f"(min {_f(loss['ratio_min'])}, max {_f(loss['ratio_max'])}) | digits, 2 workers, "
+                     f"{v['steps']} steps, "
+                     "one worker SIGKILLed after the first checkpoint; twin and chaos runs interleaved, "
+                     f"{v['rounds']} of each |")
     for name in ("recovery", "recovery_continue", "sweep", "gpu"):
         v = r.get(name)
         if v and "skipped" in v:
             lines.append(f"| {name} | skipped | — | {v['skipped']} |")
         elif name in ("recovery", "recovery_continue") and v:
-            pairs = v.get("efficiency_pairs") or ({"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
-                                                  if v["efficiency"] is not None else None)
+            pairs = v.get("efficiency_pairs") or (
+                {"ratio_min": v["efficiency"], "ratio_max": v["efficiency"], "rounds": 1}
+                if v["efficiency"] is not None else None)
             plain = v.get("plain_ray_train") or {}
             if plain:
-                lines.append(f"| restart vs plain Ray Train | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s "
-                             f"vs {_f(plain['kill_to_next_step_s_median'], 1)} s (medians of {v['recoveries_measured']} "
+                lines.append(f"| restart vs plain Ray Train | kill -> next step "
+                             f"{_f(v['kill_to_next_step_s_median'], 1)} s "
+                             f"vs {_f(plain['kill_to_next_step_s_median'], 1)} s (medians of "
+                             f"{v['recoveries_measured']} "
                              f"and {plain['recoveries_measured']}); of which kill -> the train function starting "
                              f"{_f(v.get('kill_to_train_function_s_median'), 1)} vs "
                              f"{_f(plain.get('kill_to_train_function_s_median'), 1)} s, its start -> first step "
@@ -143,19 +176,23 @@ def markdown(results: dict) -> str:
             if v.get("mode") == "continue" and v.get("goodput_pairs"):
                 pairs = v["goodput_pairs"]
                 skipped = v.get("samples_skipped_fraction") or [0]
-                lines.append(f"| {label} | samples skipped {100 * median_of(skipped):.2f}% (median of {len(skipped)} runs) "
+                lines.append(f"| {label} | samples skipped {100 * median_of(skipped):.2f}% "
+                             f"(median of {len(skipped)} runs) "
                              f"| **{_f(v['goodput_efficiency'])}** goodput efficiency ({spread(pairs)}; wall time "
                              f"alone {_f(v['efficiency'])}) | digits, 2 workers, {v['steps']} steps with a worker "
-                             f"SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a failure-free twin, "
+                             f"SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a "
+                             "failure-free twin, "
                              f"both failure.mode continue, interleaved, {pairs['rounds']} pair(s): samples trained per "
                              "second, the skipped ones counted as lost |")
                 continue
             lines.append(f"| {label} | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "
-                         f"({spread(pairs) if pairs else 'quick mode: no twin'}) | digits, 2 workers, {v['steps']} steps "
+                         f"({spread(pairs) if pairs else 'quick mode: no twin'}) | digits, 2 workers, "
+                         f"{v['steps']} steps "
                          f"with a worker SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a "
-                         f"failure-free twin of the same steps, interleaved, {pairs['rounds'] if pairs else 0} pair(s): "
+                         "failure-free twin of the same steps, interleaved, "
+                         f"{pairs['rounds'] if pairs else 0} pair(s): "
                          "wall-time ratio per pair |")
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"

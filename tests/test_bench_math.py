@@ -87,6 +87,67 @@ def test_interleaved_measurements_alternate_sides():
     order = []
     a, b = interleaved(lambda: order.append("a") or 2.0, lambda: order.append("b") or 1.0, rounds=3)
     assert order == ["a", "b", "a", "b", "a", "b"] and a == [2.0] * 3 and b == [1.0] * 3
+    order.clear()
+    assert interleaved(lambda: order.append("a") or 2.0, lambda: order.append("b") or 1.0, 2) == ([2.0] * 2, [1.0] * 2)
+    assert order == ["a", "b", "a", "b"]  # (the rounds as the last positional argument, as continuous.py calls it)
+
+
+def test_interleaved_measurements_take_three_sides_in_turn():
+    from bench.common import interleaved
+
+    order, count = [], iter(range(100))
+
+    def side(name):
+        return lambda: order.append(name) or float(next(count))
+
+    service, raytrain, torchrun = interleaved(side("service"), side("raytrain"), side("torchrun"), rounds=2)
+    assert order == ["service", "raytrain", "torchrun"] * 2
+    assert (service, raytrain, torchrun) == ([0.0, 3.0], [1.0, 4.0], [2.0, 5.0])  # round i: index i of each
+
+
+def _overhead_results(**case) -> dict:
+    machine = {"cpu": "a CPU", "cores": 2, "torch": "2", "ray": "2", "python": "3"}
+    return {"machine": machine, "date": "2026-01-01", "quick": False, "rows": {"overhead": {"digits_2w": case}},
+            "row_seconds": {}, "elapsed_s": 0, "ratios": {}}
+
+
+def test_the_overhead_row_reports_three_sides_and_the_ratio_of_each_two():
+    from bench.__main__ import ratios
+    from bench.common import paired_ratios
+    from bench.report import markdown
+
+    served, ray_trained, plain = [98.0, 99.0, 95.0], [100.0, 100.0, 100.0], [110.0, 100.0, 100.0]
+    vs_raytrain, theirs, pairs = (paired_ratios(served, ray_trained), paired_ratios(ray_trained, plain),
+                                  paired_ratios(served, plain))
+    assert vs_raytrain["ratio_median"] == pytest.approx(0.98) and theirs["ratio_min"] == pytest.approx(100 / 110)
+    case = {"service_samples_per_s": 98.0, "raytrain_samples_per_s": 100.0, "baseline_samples_per_s": 100.0,
+            "vs_raytrain": vs_raytrain["ratio_median"], "vs_raytrain_pairs": vs_raytrain,
+            "raytrain_vs_baseline": theirs["ratio_median"], "raytrain_vs_baseline_pairs": theirs,
+            "overhead_ratio": pairs["ratio_median"], "pairs": pairs, "steps": 2400, "warmup_steps": 800,
+            "repeats": 3, "baseline": "torchrun DDP (gloo)"}
+    results = _overhead_results(**case)
+    (line,) = [line for line in markdown(results).splitlines() if line.startswith("| overhead digits_2w |")]
+    assert "service 98 vs plain Ray Train 100 vs torchrun DDP (gloo) 100 samples/s" in line
+    assert "vs plain Ray Train **0.980** (target >= 0.97; min 0.95, max 0.99" in line
+    assert "vs torchrun DDP (gloo) **0.950** (min 0.89, max 0.99" in line
+    assert "plain Ray Train vs torchrun DDP (gloo) 1.000 (min 0.91, max 1.00" in line
+    assert "3 interleaved round(s)" in line
+    found = ratios(results["rows"])
+    assert found["overhead_ratio_digits_2w"] == pytest.approx(0.95)
+    assert found["overhead_vs_raytrain_digits_2w"] == pytest.approx(0.98)
+    assert found["overhead_raytrain_vs_baseline_digits_2w"] == pytest.approx(1.0)
+
+
+def test_an_overhead_row_from_before_the_ray_train_side_renders_as_it_did():
+    from bench.__main__ import ratios
+    from bench.report import markdown
+
+    results = _overhead_results(service_samples_per_s=11348.4, baseline_samples_per_s=13216.1, overhead_ratio=0.8587,
+                                steps=2400, warmup_steps=800, repeats=2, baseline="torchrun DDP (gloo)")
+    assert ("| overhead digits_2w | 11348 vs 13216 samples/s | **0.859** (min 0.86, max 0.86; 1 interleaved pair(s)) "
+            "| steady-state samples/s (first 800 of 2400 steps excluded), service on Ray Train vs torchrun DDP (gloo), "
+            "same model, data, batch, threads |") in markdown(results)
+    assert ratios(results["rows"]) == {"overhead_ratio_digits_2w": 0.8587}
 
 
 def test_paired_ratios_report_median_min_and_max():
