@@ -13,7 +13,12 @@ from pathlib import Path
 
 from bench import rows
 from bench.common import REPO, machine
+from bench.continuous import continuous
 from bench.report import markdown, update_readme
+from bench.streaming import driver_memory, streaming
+from bench.system_metrics import system_metrics
+from bench.tokenizing import tokenizing
+from training.run.session import ray_session
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenizing", "recovery",
         "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
@@ -50,22 +55,19 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as base:
         if "memory" in wanted:  # two gloo processes, no Ray
-            from bench.memory import memory
+            from bench.memory import memory  # (lazy: torch)
 
             timed("memory", lambda: memory(args.quick))
         if "streaming" in wanted:  # one process, no Ray
-            from bench.streaming import streaming
 
             timed("streaming", lambda: streaming(args.quick))
         if "driver_memory" in wanted:  # fresh processes, no Ray
-            from bench.streaming import driver_memory
 
             timed("driver_memory", lambda: driver_memory(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
-        import ray
+        import ray  # (lazy: ray)
 
-        from training.run.session import ray_session
 
         os.environ["TRAINING_BASE_DIR"] = base
         # a cluster of this machine's CPUs that nothing else uses, stopped at the end
@@ -81,11 +83,9 @@ def main(argv=None) -> int:
                          for task in rows.TASKS}
                 timed("data_path", lambda: rows.data_path(args.quick, rates))
             if "system_metrics" in wanted:  # quick: the sampler's own cost only, no Ray
-                from bench.system_metrics import system_metrics
 
                 timed("system_metrics", lambda: system_metrics(args.quick))
             if "tokenizing" in wanted:
-                from bench.tokenizing import tokenizing
 
                 timed("tokenizing", lambda: tokenizing(args.quick))
             if "gpu" in wanted:
@@ -95,7 +95,6 @@ def main(argv=None) -> int:
             if "recovery_continue" in wanted:  # the same kills every 60 s, failure.mode continue
                 timed("recovery_continue", lambda: rows.recovery(args.quick, mode="continue"))
             if "continuous" in wanted:  # failure.mode continue: a worker killed, the survivor goes on
-                from bench.continuous import continuous
 
                 timed("continuous", lambda: continuous(args.quick))
             if "sweep" in wanted:

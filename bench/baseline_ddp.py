@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from training.models.registry import build_model, model_section  # the same nn.Module classes the service trains
+
 
 def training_split(root: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The manifest and the whole training split of the prepared Parquet shards under `root`, in
@@ -105,10 +107,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     manifest, inputs, targets = training_split(args.manifest)
 
-    from training.models import build_model  # the same nn.Module classes the service trains
 
     torch.manual_seed(args.seed)
-    model = build_model(args.model, json.loads(args.model_options), {"task": manifest["task"], **manifest["spec"]})
+    model = build_model(model_section({"name": args.model, "options": json.loads(args.model_options)}), {"task": manifest["task"], **manifest["spec"]})
     ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     clock = SteadyClock(args.warmup_steps)

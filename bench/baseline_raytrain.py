@@ -14,22 +14,24 @@ an events file (one JSON line per group start and per checkpoint) on this machin
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from bench.baseline_ddp import SteadyClock, batches, train_step, training_split
+from training.models.registry import build_model, model_section  # the same nn.Module the service trains
 
 
 def _worker_setup(config: dict):
     """On each worker: (rank, world size, the training split's inputs and targets, the model wrapped by
     `ray.train.torch.prepare_model`, its AdamW optimizer)."""
-    import ray.train
-    import ray.train.torch
-    import torch
+    import ray.train  # (lazy: ray.train)
+    import ray.train.torch  # (lazy: ray.train)
 
-    from training.models import build_model  # the same nn.Module the service trains
 
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
@@ -37,7 +39,7 @@ def _worker_setup(config: dict):
     manifest, inputs, targets = training_split(config["manifest"])
     torch.manual_seed(config["seed"])
     model = ray.train.torch.prepare_model(
-        build_model(config["model"], config["model_options"], {"task": manifest["task"], **manifest["spec"]}))
+        build_model(model_section({"name": config["model"], "options": config["model_options"]}), {"task": manifest["task"], **manifest["spec"]}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     return rank, world, inputs, targets, model, optimizer
 
@@ -45,10 +47,8 @@ def _worker_setup(config: dict):
 def train_loop(config: dict) -> None:
     """The recovery row's loop: a checkpoint every `every` steps, resumed after a failure."""
     started = time.time()  # the train function starts on a (new) worker group
-    import os
 
-    import ray.train
-    import torch
+    import ray.train  # (lazy: ray.train)
 
     rank, world, inputs, targets, model, optimizer = _worker_setup(config)
     start = 0
@@ -94,9 +94,9 @@ def throughput_loop(config: dict) -> dict:
 
 
 def _trainer(train_fn, config: dict, workers: int, run_config):
-    import ray.cloudpickle
-    import ray.train
-    from ray.train.torch import TorchTrainer
+    import ray.cloudpickle  # (lazy: ray)
+    import ray.train  # (lazy: ray.train)
+    from ray.train.torch import TorchTrainer  # (lazy: ray.train)
 
     # bench/ is not installed on workers: this module and bench/baseline_ddp.py travel by value
     for module in (sys.modules[__name__], sys.modules[train_step.__module__]):
@@ -108,7 +108,7 @@ def _trainer(train_fn, config: dict, workers: int, run_config):
 def fit(manifest_root: str, events: Path, storage: str, name: str, model: str, model_options: dict, steps: int,
         every: int, global_batch: int, workers: int = 2, lr: float = 3e-3, seed: int = 0) -> float:
     """Train to `steps` on the cluster this process is connected to; returns the wall seconds."""
-    import ray.train
+    import ray.train  # (lazy: ray.train)
 
     config = {"manifest": manifest_root, "events": str(events), "model": model, "model_options": model_options,
               "steps": steps, "every": every, "global_batch": global_batch, "lr": lr, "seed": seed}
@@ -126,7 +126,7 @@ def throughput(manifest_root: str, model: str, model_options: dict, steps: int, 
     """Steady-state samples/s of `throughput_loop` on the cluster this process is connected to (its
     Ray Train settings, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S among them, are the service's: the same
     environment), as bench/baseline_ddp.py measures its own; run outputs in a temporary folder."""
-    import ray.train
+    import ray.train  # (lazy: ray.train)
 
     config = {"manifest": manifest_root, "model": model, "model_options": model_options, "steps": steps,
               "warmup": warmup_steps, "global_batch": global_batch, "lr": lr, "seed": seed}

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from training import config as config_lib
+from training.run.driver import run_training
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "training" / "configs"
 
 
 def machine() -> dict:
-    import ray
-    import torch
+    import ray  # (lazy: ray)
+    import torch  # (lazy: torch)
 
     cpu = platform.processor() or ""
     try:
@@ -32,16 +36,14 @@ def machine() -> dict:
 
 
 def service_job(config: str, overrides: list[str], name: str):
-    from training import config as config_lib
 
     return config_lib.load(CONFIGS / config, overrides, name=name)
 
 
 def run_service(job):
     """Run a training job in this process (Ray already started) and return (summary, history)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
-    from training.run.driver import run_training
 
     summary = run_training(job, log=lambda line: None)
     client = MlflowClient(summary.tracking_uri)
@@ -74,7 +76,6 @@ def run_baseline(manifest_root: str, model: str, model_options: dict, steps: int
 
 
 def free_port() -> int:
-    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -36,7 +36,7 @@ def kill_to_next_step_s(kill_s: float, lost_timestamps_ms: list[int]) -> float |
 
 
 def continuous(quick: bool) -> dict:
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
     steps, every, rounds = (200, 50, 1) if quick else (2000, 200, 3)
     overrides = ["failure.mode=continue", "scaling.num_workers=2", "scaling.cpus_per_worker=0.5",

@@ -11,6 +11,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import ParallelConfig
+from training.models.gpt import FAMILY, GPTOptions
+from training.models.gpt_nn import GPT
+from training.worker.parallel import local_bytes, wrap
 
 WORLD_SIZE = 2
 
@@ -22,19 +28,15 @@ def _free_port() -> int:
 
 
 def _held_bytes(strategy: str, options: dict, seq_len: int, rank: int) -> dict:
-    from training.config import ParallelConfig
-    from training.models.gpt import GPT, GPTOptions
-    from training.worker.parallel import local_bytes, wrap
 
     torch.manual_seed(0)
     model = GPT(256, seq_len, GPTOptions(**options))
     device = torch.device("cpu")
     if strategy == "ddp":  # Ray's prepare_model is DDP; built directly here, outside Ray Train
-        from torch.nn.parallel import DistributedDataParallel
 
         train_model = DistributedDataParallel(model)
     else:
-        train_model = wrap(model, ParallelConfig(strategy="fsdp"), device)
+        train_model = wrap(model, ParallelConfig(strategy="fsdp"), device, blocks=FAMILY.blocks(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(rank))
     logits = train_model(tokens[:, :-1])

@@ -18,13 +18,17 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import median, paired_ratios, service_job
+import psutil
+import pyarrow.fs as pafs
+
+from bench.common import median, paired_ratios, run_service, service_job
+from training.data.registry import prepare
+from training.run.paths import resolve_paths
 
 
 def train_worker_pids() -> list[int]:
     """The Ray Train workers of the cluster this process started (its raylet is this process's child,
     the workers the raylet's): never a worker of another Ray on the machine."""
-    import psutil
 
     found = []
     for child in psutil.Process().children(recursive=True):
@@ -38,9 +42,8 @@ def train_worker_pids() -> list[int]:
 
 
 def _newest_checkpoint(run_dir: Path) -> int:
-    import pyarrow.fs as pafs
 
-    from training.checkpoint.format import newest_complete
+    from training.checkpoint.format import newest_complete  # (lazy: torch)
 
     newest = newest_complete(pafs.LocalFileSystem(), str(run_dir))
     return newest[0] if newest else -1
@@ -81,7 +84,7 @@ def under_kills(train, progress, interval_s: float, max_kills: int):
 
 
 def _metrics(summary) -> dict[str, list[tuple[int, float]]]:
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
     client = MlflowClient(summary.tracking_uri)
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, key))
@@ -123,10 +126,7 @@ def _median_of(per_kill: list[dict], key: str):
 def recovery(quick: bool, mode: str = "restart") -> dict:
     """`mode`: the job's failure.mode. In continue mode the survivors train on while the killed
     group is replaced, and there is no plain Ray Train run to compare (it can only restart)."""
-    from bench import baseline_raytrain
-    from bench.common import run_service
-    from training.data.prepare import prepare
-    from training.run.paths import resolve_paths
+    from bench import baseline_raytrain  # (lazy: torch)
 
     # A full run trains ~2.5 minutes, so two failures land, against a failure-free twin of the same
     # steps; two rounds. Quick: one round, the kill 1 s after the first checkpoint (step 40), well
@@ -173,7 +173,7 @@ def recovery(quick: bool, mode: str = "restart") -> dict:
         root = prepare(job.data, str(run_dir.parent / "datasets"), log=lambda _: None).root
         events = run_dir.parent / f"{name}.events.jsonl"
         wall, kills = under_kills(
-            lambda: baseline_raytrain.fit(root, events, str(run_dir.parent), name, job.model.name, job.model.options,
+            lambda: baseline_raytrain.fit(root, events, str(run_dir.parent), name, job.model.name, job.model.options_as_written(),
                                           steps, every, job.train.global_batch_size, lr=job.optim.lr, seed=job.seed),
             # (quick: at its first checkpoint; the plain loop trains 160 steps in about a second)
             lambda: baseline_raytrain.newest_checkpoint(events), 0.0 if quick else interval_s, max_kills)

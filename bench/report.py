@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -34,7 +35,6 @@ def spread(pairs: dict) -> str:
 
 
 def median_of(values: list) -> float:
-    import statistics
 
     return statistics.median(values)
 

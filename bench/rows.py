@@ -26,6 +26,9 @@ from bench.common import (
 )
 from bench.recovery import recovery  # noqa: F401  (the recovery row: a worker killed every 60 s)
 from bench.sweep import sweep  # noqa: F401  (the sweep row: ASHA vs random search)
+from training.data.order import BatchPlan
+from training.data.registry import prepare
+from training.data.shards import SplitReader, TrainShard
 
 # task -> (config, model options used by both the service and the baseline)
 TASKS = {
@@ -59,8 +62,7 @@ def overhead(quick: bool) -> dict:
     Ray Train run shares the cores with the helper actors it starts beside the workers (dataset
     manager, preemption watcher), and a 20% warm-up at 600 steps measured that start-up rather
     than the loop (digits, 2 workers: 0.45 then, about 0.85 with the longer warm-up)."""
-    from bench import baseline_raytrain
-    from training.data.prepare import prepare
+    from bench import baseline_raytrain  # (lazy: torch)
 
     steps = {"digits": 40 if quick else 2400, "tinylm": 12 if quick else 150}
     rounds = 1 if quick else 3
@@ -191,8 +193,6 @@ def raw_disk_write_bytes_per_s(directory: Path, size: int) -> float:
 
 def data_path(quick: bool, train_rate: dict) -> dict:
     """Parquet -> per-worker tensor batches vs a raw pyarrow read of the same files."""
-    from training.data.loader import BatchPlan, SplitReader, TrainShard
-    from training.data.prepare import prepare
 
     row = {}
     with tempfile.TemporaryDirectory() as cache:
@@ -224,7 +224,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 def gpu(quick: bool) -> dict:
     """tinylm in bf16 on 1 GPU (and on all of them if more): tokens/s and MFU. CUDA machines only."""
-    import torch
+    import torch  # (lazy: torch)
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine"}

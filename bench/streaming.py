@@ -9,14 +9,25 @@ raw read's, and the cores it keeps busy, say how far the rows/s ratio can go on 
 
 from __future__ import annotations
 
+import json
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from bench.common import REPO
+from training.data.files import list_splits
+from training.data.manifest import Manifest
+from training.data.order import BatchPlan
+from training.data.parquet import ParquetOptions, open_stream
+from training.data.parquet_index import build_index
 
 FEATURES = 64
 ROW_GROUP = 8192
@@ -48,15 +59,12 @@ def _raw_pass(files: list[Path]) -> dict:
 
 
 def _loader_pass(manifest, partitions: int) -> dict:
-    import psutil
 
-    from training.data.external import train_stream
-    from training.data.loader import BatchPlan
 
     process = psutil.Process()
     base = process.memory_info().rss
     start, cpu = time.perf_counter(), _cpu_s()
-    shard = train_stream(manifest, BatchPlan(BATCH, 2, 0), seed=0)
+    shard = open_stream(manifest, BatchPlan(BATCH, 2, 0), seed=0)
     produced, peak, held = 0, base, 0
     for step in range(shard.steps_per_epoch):
         produced += len(shard.batch(step)["y"])
@@ -72,8 +80,6 @@ def _loader_pass(manifest, partitions: int) -> dict:
 
 
 def streaming(quick: bool) -> dict:
-    from training.data.parquet import ParquetOptions, build_index
-    from training.data.prepare import Manifest
 
     rows = 200_000 if quick else 3_300_000  # full: the dataset over 8x the loader's memory budget
     partitions, repeats = 16, (1 if quick else 3)
@@ -83,7 +89,7 @@ def streaming(quick: bool) -> dict:
         _write(root / "validation", 4096, 1, 1)
         options = ParquetOptions(path=str(root / "train"), validation_path=str(root / "validation"), features="x",
                                  label="y", partitions=partitions)
-        index = build_index(options)
+        index = build_index(list_splits(options.path, options.validation_path, None), options.columns())
         manifest = Manifest(root=str(root), source="parquet", options=options.model_dump(), task=index["task"],
                             spec=index["spec"], splits=index["splits"], schema=index["schema"], digest=index["digest"])
         files = sorted((root / "train").glob("*.parquet"))
@@ -115,9 +121,9 @@ def streaming(quick: bool) -> dict:
 # file by file, with a tokenizer trained on a bounded sample).
 _PREPARE = """
 import sys
-from training.config import DataConfig
-from training.data.prepare import prepare
-prepare(DataConfig.model_validate_json(sys.argv[1]), sys.argv[2], log=lambda *a, **k: None)
+import json
+from training.data.registry import data_section, prepare
+prepare(data_section(json.loads(sys.argv[1])), sys.argv[2], log=lambda *a, **k: None)
 # this process's own high-water mark (VmHWM: its memory since exec, unlike ru_maxrss, which keeps the
 # forked parent's)
 print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
@@ -125,11 +131,7 @@ print(next(line.split()[1] for line in open("/proc/self/status") if line.startsw
 
 
 def _peak_rss_of_prepare(data: dict, cache: Path) -> int:
-    import json
-    import subprocess
-    import sys
 
-    from bench.common import REPO
 
     result = subprocess.run([sys.executable, "-c", _PREPARE, json.dumps(data), str(cache)], cwd=REPO,
                             capture_output=True, text=True)

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import CONFIGS, median
+from tuning import config as sweep_config
+from tuning.sweep import run_sweep
 
 SPACE = """space:
   optim.lr: {loguniform: [1.0e-5, 3.0e-2]}
@@ -42,8 +44,6 @@ def sweep_file(scheduler: str, seed: int, samples: int, steps: int, base: Path) 
 
 
 def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
-    from tuning import config as sweep_config
-    from tuning.sweep import run_sweep
 
     path = sweep_file(scheduler, seed, samples, steps, base)
     summary = run_sweep(sweep_config.load(path, name=f"bench-{scheduler}-{seed}"), log=lambda line: None)

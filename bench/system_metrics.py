@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 
-from bench.common import interleaved, paired_ratios, run_service, service_job, steady_samples_per_s
+from bench.common import interleaved, median, paired_ratios, run_service, service_job, steady_samples_per_s
+from training.observe.system import SystemSampler, node_monitors, process_monitor
 
 DEFAULT_INTERVAL_S = 10.0
 FAST_INTERVAL_S = 1.0
@@ -19,8 +20,6 @@ FAST_INTERVAL_S = 1.0
 
 def sampler_cost_s(samples: int) -> float:
     """Median CPU seconds of one sample of this node and this process."""
-    from bench.common import median
-    from training.observe.system import SystemSampler, node_monitors, process_monitor
 
     sampler = SystemSampler(DEFAULT_INTERVAL_S, "node-bench", node_monitors() + [process_monitor(0)])
     costs = []

@@ -9,19 +9,22 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from bench.streaming import _write_text
+from training.data.file_work import FileTask
+from training.data.text import tokenize_in_driver, tokenize_on_cluster
 
 SEQ_LEN = 128
 
 
 def _write_corpus(folder: Path, files: int, lines_per_file: int) -> list[Path]:
-    from bench.streaming import _write_text
 
     _write_text(folder, files, 7, lines_per_file)
     return sorted(folder.iterdir())
 
 
 def _tokenizer(paths: list[Path]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -33,8 +36,6 @@ def _tokenizer(paths: list[Path]):
 
 
 def tokenizing(quick: bool) -> dict:
-    from training.data.text import tokenize_in_driver, tokenize_on_cluster
-    from training.data.tokenize import FileTask
 
     files, lines = (8, 2000) if quick else (32, 20000)
     repeats = 1 if quick else 2
@@ -60,7 +61,7 @@ def tokenizing(quick: bool) -> dict:
                 rates[mode].append(rows[mode] / elapsed)
     assert rows["one_process"] == rows["ray_data"], rows  # the same packed rows either way
     ratios = [b / a for a, b in zip(rates["one_process"], rates["ray_data"])]
-    import ray
+    import ray  # (lazy: ray)
 
     return {"text_mb": round(sum(sizes.values()) / 2**20, 1), "files": files, "rows": rows["ray_data"],
             "one_process_rows_per_s": float(np.median(rates["one_process"])),

@@ -5,7 +5,10 @@ code runs against moto_server on loopback in tests."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -50,8 +53,6 @@ def aws_credentials_source(env: Mapping[str, str] = os.environ) -> str | None:
     """Where boto3 would take credentials from under `env` (botocore's name for it: "env",
     "shared-credentials-file", "iam-role" for an instance profile, ...), or None: no credentials,
     a broken configuration, or a probe that did not answer in time."""
-    import subprocess
-    import sys
 
     try:
         done = subprocess.run([sys.executable, "-c", _CREDENTIALS_PROBE], env={**env, **PROBE_METADATA_ENV},
@@ -101,7 +102,6 @@ def current_spot_prices(ec2: Any, instance_type_name: str, zones=()) -> dict[str
     every zone of the region). One history query from now on (StartTime=now: each zone's current
     price), for Linux/UNIX only, read to its last page: unfiltered, other operating systems and
     older points fill the first page and zones go missing."""
-    import datetime
 
     query = {"InstanceTypes": [instance_type_name], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
              "StartTime": datetime.datetime.now(datetime.timezone.utc)}
@@ -121,8 +121,8 @@ def current_spot_prices(ec2: Any, instance_type_name: str, zones=()) -> dict[str
 def gather_facts(config: dict, session: Any = None, quota_lookup: QuotaLookup | None = None) -> AwsFacts:
     """Ask AWS about every resource the config names. Errors that mean "not there" become facts;
     any other error (no network, access denied) propagates to the caller."""
-    from botocore.exceptions import ClientError
-    import boto3
+    import boto3  # (lazy: boto3)
+    from botocore.exceptions import ClientError  # (lazy: botocore)
 
     region = config["provider"]["region"]
     session = session or boto3.Session()

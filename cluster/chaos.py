@@ -9,10 +9,15 @@ the training workers hold every CPU and GPU)."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from dataclasses import dataclass
 
+import psutil
+
+from cluster import ray_nodes
 from cluster.ray_nodes import ActorProcess, NodeInfo
 
 ACTIONS = ("kill-worker", "drain-node", "kill-node")
@@ -75,14 +80,11 @@ class ChaosPolicy:
 def _remote_killers():
     """The tasks that run on the target node. Defined here, inside a function, so Ray ships them by
     value: the target node needs nothing of this project installed."""
-    import ray
+    import ray  # (lazy: ray)
 
     @ray.remote(num_cpus=0, max_retries=0)
     def kill_pid(pid: int, title: str) -> str:
-        import os
-        import signal
 
-        import psutil
 
         # The pid must still be the worker it was (pids are reused): check its process title.
         cmdline = " ".join(psutil.Process(pid).cmdline())
@@ -93,10 +95,7 @@ def _remote_killers():
 
     @ray.remote(num_cpus=0, max_retries=0)
     def kill_raylet(node_id: str) -> None:
-        import os
-        import signal
 
-        import psutil
 
         me = psutil.Process()
         raylet = me.parent()  # the raylet starts its workers itself
@@ -122,14 +121,13 @@ class ChaosExecutor:
 
     @staticmethod
     def _pinned(node_id: str) -> dict:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # (lazy: ray)
 
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
 
     def execute(self, decision: ChaosDecision, deadline_s: float) -> str:
-        import ray
+        import ray  # (lazy: ray)
 
-        from cluster import ray_nodes
 
         kill_pid, kill_raylet = _remote_killers()
         node_id = decision.node.node_id

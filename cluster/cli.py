@@ -4,13 +4,25 @@ map to exit codes (0 ok, warnings allowed; 1 a check or an action failed; 2 bad 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
+import random
+import signal
 import sys
 from collections import Counter
 
+from cluster import ray_nodes
+from cluster.aws_facts import has_aws_credentials
+from cluster.chaos import ACTIONS, TRAIN_WORKER_CLASS, ChaosExecutor, ChaosPolicy, NothingToDo
 from cluster.checks import Status, any_failed, provider_type
 from cluster.config import DEFAULT_CLUSTER_FILE, ConfigError, load_and_prepare
+from cluster.cost import estimate_run, node_costs, refresh_spot_prices
+from cluster.imds import DEFAULT_IMDS_URL, MAX_TOKEN_TTL_S, ImdsClient, ImdsError, ImdsUnavailable
+from cluster.prices import load_price_table
+from cluster.rehearse import rehearse
+from cluster.spot_watcher import REBALANCE_POLICIES, SpotPolicy, SpotWatcher
+from cluster.validate import validate_cluster
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -49,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_spot_watcher_parser(sub) -> None:
-    from cluster.imds import DEFAULT_IMDS_URL, MAX_TOKEN_TTL_S
-    from cluster.spot_watcher import REBALANCE_POLICIES
 
     watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption")
     watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL, help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
@@ -72,7 +82,6 @@ def add_spot_watcher_parser(sub) -> None:
 
 
 def add_chaos_parser(sub) -> None:
-    from cluster.chaos import ACTIONS
 
     chaos = sub.add_parser("chaos", help="rehearse a failure on a live cluster running a Ray Train job")
     chaos.add_argument("action", choices=ACTIONS,
@@ -87,7 +96,6 @@ def add_chaos_parser(sub) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from cluster.validate import validate_cluster
 
     results = validate_cluster(args.config, live=not args.offline)
     for result in results:
@@ -99,9 +107,6 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    from cluster.aws_facts import has_aws_credentials
-    from cluster.cost import estimate_run, node_costs, refresh_spot_prices
-    from cluster.prices import load_price_table
 
     if args.hours < 0 or (args.workers is not None and args.workers < 0):
         raise ConfigError("--hours and --workers must be >= 0")
@@ -148,19 +153,13 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_rehearse(args: argparse.Namespace) -> int:
-    from cluster.rehearse import rehearse
 
     return EXIT_OK if rehearse(args.config, gpu_workers=args.gpu_workers,
                                idle_timeout_s=args.idle_timeout_s) else EXIT_FAILED
 
 
 def run_spot_watcher(args: argparse.Namespace) -> int:
-    import logging
-    import signal
 
-    from cluster import ray_nodes
-    from cluster.imds import ImdsClient, ImdsError, ImdsUnavailable
-    from cluster.spot_watcher import SpotPolicy, SpotWatcher
 
     if args.interval_s <= 0 or args.max_backoff_s <= 0:
         raise ConfigError("--interval-s and --max-backoff-s must be > 0")
@@ -208,14 +207,11 @@ def run_spot_watcher(args: argparse.Namespace) -> int:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    import random
 
-    from cluster import ray_nodes
-    from cluster.chaos import ChaosExecutor, ChaosPolicy, NothingToDo, TRAIN_WORKER_CLASS
 
     if args.deadline_s < 0:
         raise ConfigError(f"--deadline-s must be >= 0, got {args.deadline_s}")
-    import ray
+    import ray  # (lazy: ray)
 
     try:
         ray.init(address=args.address or "auto", logging_level="ERROR", log_to_driver=False)

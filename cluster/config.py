@@ -4,6 +4,7 @@ private launcher API). Everything here raises ConfigError for bad input (CLI exi
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,8 @@ def ray_prepare_and_validate(raw: dict[str, Any]) -> dict[str, Any]:
 
     This is the only place that touches `ray.autoscaler._private`: a private API that may move
     between Ray releases (checked against 2.60)."""
-    import logging
 
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from ray.autoscaler._private.util import prepare_config, validate_config  # (lazy: ray)
 
     # Ray logs each default it fills in ("setting max workers for head node type to 0") at INFO.
     logging.getLogger("ray.autoscaler._private.util").setLevel(logging.WARNING)

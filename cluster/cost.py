@@ -104,7 +104,7 @@ def estimate_run(costs: list[NodeCost], head_name: str, hours: float, workers: i
 def refresh_spot_prices(config: dict, session: Any = None) -> dict[str, float]:
     """Current spot $/h per spot instance type: the median over the config's zones of each zone's
     latest Linux/UNIX price (boto3 describe_spot_price_history)."""
-    import boto3
+    import boto3  # (lazy: boto3)
 
     session = session or boto3.Session()
     ec2 = session.client("ec2", region_name=config["provider"]["region"])

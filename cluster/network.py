@@ -12,7 +12,6 @@ from typing import Any, Iterable, Sequence
 
 from cluster.shell import env_at, is_mlflow_server, is_ray_start, option
 
-
 # --- what the nodes listen on --------------------------------------------------------------
 
 # A port given as 0 (or left to Ray) is picked by the kernel from Linux's ephemeral range.

@@ -29,7 +29,7 @@ class NodeInfo:
 def resolve_address(address: str | None) -> str:
     """host:port of the GCS: the given address, else $RAY_ADDRESS, else the cluster the last
     `ray start` on this machine joined (as the `ray` CLI does)."""
-    from ray._private import services
+    from ray._private import services  # (lazy: ray)
 
     try:
         return services.canonicalize_bootstrap_address_or_die(address)
@@ -38,7 +38,7 @@ def resolve_address(address: str | None) -> str:
 
 
 def gcs_client(address: str | None):
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # (lazy: ray)
 
     resolved = resolve_address(address)
     try:
@@ -48,7 +48,7 @@ def gcs_client(address: str | None):
 
 
 def list_nodes(gcs) -> list[NodeInfo]:
-    from ray.core.generated import gcs_pb2
+    from ray.core.generated import gcs_pb2  # (lazy: ray)
 
     try:
         infos = gcs.get_all_node_info(timeout=GCS_TIMEOUT_S)
@@ -85,7 +85,7 @@ def check_node(nodes: list[NodeInfo], node_id: str) -> NodeInfo:
 def local_node_id(nodes: list[NodeInfo]) -> str:
     """This host's node: the raylets running here (found by their --node_id flag, as `ray.init`
     does) that are alive in this cluster. Exactly one is expected on a cloud instance."""
-    from ray._private.services import find_node_ids
+    from ray._private.services import find_node_ids  # (lazy: ray)
 
     local = set(find_node_ids())
     mine = sorted(node.node_id for node in nodes if node.alive and node.node_id in local)
@@ -102,7 +102,7 @@ def drain_node(gcs, node_id: str, reason_message: str, deadline_timestamp_ms: in
     """`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`: the node takes no new work, Ray Train
     sees the preemption and its deadline, and the raylet exits once idle. A deadline of 0 would mean
     "none" to Ray, so callers always pass a real timestamp."""
-    from ray.core.generated import autoscaler_pb2
+    from ray.core.generated import autoscaler_pb2  # (lazy: ray)
 
     assert deadline_timestamp_ms > 0, "a drain deadline of 0 means 'no deadline' to Ray"
     try:
@@ -125,7 +125,7 @@ class ActorProcess:
 def alive_actors(class_name: str) -> list[ActorProcess]:
     """Alive actors of a class, from the GCS actor table (needs `ray.init`; no dashboard needed,
     unlike `ray.util.state.list_actors`)."""
-    import ray._private.state
+    import ray._private.state  # (lazy: ray)
 
     table = ray._private.state.actors(actor_state_name="ALIVE")
     return [ActorProcess(actor_id=actor_id, class_name=info["ActorClassName"], pid=int(info["Pid"]),

@@ -9,11 +9,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from cluster.checks import (CheckResult, Laptop, declared_gpus, failed, head_type, is_spot, passed, provider_type,
-                            warned, worker_types, zones)
+from cluster.checks import (
+    CheckResult,
+    Laptop,
+    declared_gpus,
+    failed,
+    head_type,
+    is_spot,
+    passed,
+    provider_type,
+    warned,
+    worker_types,
+    zones,
+)
 from cluster.network import LOOPBACK_HOSTS, Listener, exposure, listeners, mlflow_port
-from cluster.shell import (COMMAND_KEYS, auth_mode_at_ray_start, commands, container_env, env_at, flag_value,
-                           is_mlflow_server, option, program, simple_commands)
+from cluster.shell import (
+    COMMAND_KEYS,
+    auth_mode_at_ray_start,
+    commands,
+    container_env,
+    env_at,
+    flag_value,
+    is_mlflow_server,
+    option,
+    program,
+    simple_commands,
+)
 
 PLACEHOLDER_CIDRS = {"203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"}
 # More nodes than this in one cluster is a typo (1e9) or a blank cheque, not a plan.

@@ -5,8 +5,8 @@ import inspect
 import logging
 
 import pytest
-
 from conftest import wait_for
+
 from training.adaptors import mlflow_private, ray_private
 
 
@@ -62,9 +62,8 @@ def test_ray_recorded_address_helpers_exist(tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_ray_placement_group_table_fields(ray_cluster):
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     group = placement_group([{"CPU": 0.01}])
     try:
@@ -216,8 +215,10 @@ def test_ray_train_report_barrier_is_released_by_a_replica_group_replacement(ray
     import inspect
 
     import ray
-    from ray.train.v2._internal.execution.checkpoint.sync_actor import (SynchronizationActor,
-                                                                        SynchronizationBarrierResetError)
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import (
+        SynchronizationActor,
+        SynchronizationBarrierResetError,
+    )
     from ray.train.v2._internal.execution.context import TrainContext
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 

@@ -6,8 +6,8 @@ import socket
 import time
 
 import pytest
-
 from aws import FakeImds, closed_port_url
+
 from cluster.aws_facts import aws_credentials_source, has_aws_credentials
 
 

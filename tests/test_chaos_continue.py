@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+from conftest import CONFIGS, tracked_history, train_worker_pids, wait_for
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS, tracked_history, train_worker_pids, wait_for
 from training import config as config_lib
 from training.run.driver import run_training
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-
 from conftest import CONFIGS, train_worker_pids
-from training.checkpoint import format as ckpt
+
 from training import config as config_lib
+from training.checkpoint import format as ckpt
 from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]

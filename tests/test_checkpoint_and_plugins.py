@@ -6,11 +6,17 @@ import pytest
 import torch
 
 from training.checkpoint import format as ckpt
-from training.worker.seeding import step_seed
 from training.config import OptimConfig
 from training.errors import UserError
+from training.models.registry import build_model as build_section
+from training.models.registry import check_fits_task, model_section
 from training.worker.optim import build_optimizer, lr_factor
-from training.models import build_model, check_model_fits_task
+from training.worker.seeding import step_seed
+
+
+def build_model(name: str, options: dict, spec: dict):
+    """The model of a `model` section {name, options} for data described by `spec`."""
+    return build_section(model_section({"name": name, "options": options}), spec)
 
 DIGITS = {"task": "classification", "input_dim": 64, "num_classes": 10}
 TINYLM = {"task": "language_model", "vocab_size": 256, "seq_len": 16}
@@ -120,12 +126,13 @@ def test_model_plugin_by_import_string():
 
 def test_model_must_fit_the_task():
     with pytest.raises(UserError, match="gpt is for language_model data"):
-        check_model_fits_task("gpt", "classification")
-    check_model_fits_task("plugins.examples:linear", "classification")
+        check_fits_task(model_section({"name": "gpt"}), "classification")
+    check_fits_task(model_section({"name": "plugins.examples:linear"}), "classification")
 
 
 def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
     from conftest import REPO
+
     from training.run.cost import cluster_config_path, estimate_cost_metrics
 
     monkeypatch.setenv("TRAINING_CLUSTER_CONFIG", str(REPO / "cluster.yaml"))
@@ -142,6 +149,7 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
 
 def test_the_largest_cluster_is_read_from_its_launcher_config(tmp_path, monkeypatch):
     from conftest import REPO
+
     from training.run.resources import maximum_resources, use_gpus
 
     assert maximum_resources() is None  # not on a launched head
@@ -171,11 +179,11 @@ def test_early_stopping_counts_evaluations_without_improvement():
         "metric": "val_accuracy", "mode": "max", "patience_evals": 2, "min_delta": 0.01}}})
     loop = ckpt.LoopState()
     for accuracy, stopped in ((0.5, False), (0.8, False), (0.805, False), (0.79, True)):
-        _update_early_stopping(job, loop, {"val_accuracy": accuracy})
+        _update_early_stopping(job.train.early_stopping, loop, {"val_accuracy": accuracy})
         assert loop.stopped_early is stopped
     assert loop.best_metric == 0.8
     with pytest.raises(ValueError, match="not a validation metric"):
-        _update_early_stopping(job, ckpt.LoopState(), {"val_loss": 1.0})
+        _update_early_stopping(job.train.early_stopping, ckpt.LoopState(), {"val_loss": 1.0})
 
 
 def test_logging_a_model_leaves_no_tracking_uri_behind(tmp_path, monkeypatch):

@@ -101,12 +101,13 @@ def test_rebase_refuses_an_incomplete_checkpoint(tmp_path):
 
 def _fsdp_state(seed: int, optim: OptimConfig):
     from training.config import ParallelConfig
-    from training.models.gpt import GPT, GPTOptions
+    from training.models.gpt import FAMILY, GPTOptions
+    from training.models.gpt_nn import GPT
     from training.worker.parallel import wrap
 
     torch.manual_seed(seed)
     model = GPT(256, 16, GPTOptions(n_layer=1, n_head=2, d_model=16))
-    wrap(model, ParallelConfig(strategy="fsdp"), torch.device("cpu"))
+    wrap(model, ParallelConfig(strategy="fsdp"), torch.device("cpu"), blocks=FAMILY.blocks(model))
     return (model, *_training_state(model, optim))
 
 
@@ -220,12 +221,13 @@ def test_the_final_model_is_logged_in_the_configured_format(tmp_path, monkeypatc
     import mlflow
 
     from training import config as config_lib
-    from training.models import build_model
+    from training.models.registry import build_model, model_section
     from training.run import finalize
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    model = build_model("digits_mlp", {}, {"task": "classification", "input_dim": 64, "num_classes": 10}).eval()
+    model = build_model(model_section({"name": "digits_mlp"}),
+                        {"task": "classification", "input_dim": 64, "num_classes": 10}).eval()
     monkeypatch.setattr(finalize, "sample_input", lambda manifest: torch.rand(4, 64))
     job = config_lib.JobConfig(tracking={"register_model": False, "model_format": model_format})
     run_id = mlflow.MlflowClient(uri).create_run(mlflow.MlflowClient(uri).create_experiment("e")).info.run_id

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-
 from cli_probe import run_cases
 from conftest import REPO
+
 from training import config as config_lib
 
 BAD = REPO / "tests" / "bad_configs"

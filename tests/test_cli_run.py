@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO
 
 pytestmark = pytest.mark.ray

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import time
 
+import psutil  # noqa: E402
 import pytest
 import ray  # noqa: F401  (Ray puts its vendored psutil on the path)
-import psutil  # noqa: E402
+from conftest import REPO, private_cluster
 
 from cluster.chaos import ChaosPolicy, NothingToDo
 from cluster.ray_nodes import ActorProcess, NodeInfo
-from conftest import REPO, private_cluster
 
 HEAD = NodeInfo("h" * 56, "10.0.0.1", is_head=True, alive=True, draining=False)
 A = NodeInfo("a" * 56, "10.0.0.2", is_head=False, alive=True, draining=False)

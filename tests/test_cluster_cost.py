@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from cluster.config import load_and_prepare
 from cluster.cost import estimate_run, gpu_types_by_preference, node_costs
 from cluster.prices import PRICE_TABLE_FILE, load_price_table
-from conftest import REPO
 
 PRICES = json.loads(PRICE_TABLE_FILE.read_text())["instance_types"]
 HEAD_OD = PRICES["m5.xlarge"]["on_demand_usd_per_hour"]

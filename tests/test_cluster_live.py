@@ -10,15 +10,15 @@ import sys
 import boto3
 import pytest
 import yaml
-
 from aws import s3_env
+from conftest import REPO
+
 from cluster.aws_checks import quota_decision, required_vcpus
 from cluster.checks import Status
 from cluster.config import load_and_prepare, load_cluster_yaml
 from cluster.cost import node_costs, refresh_spot_prices
 from cluster.prices import load_price_table
 from cluster.validate import validate_cluster
-from conftest import REPO
 
 REGION = "us-west-2"
 

@@ -3,10 +3,10 @@ translation is checked without Ray; the end-to-end rehearsal starts a real local
 default GCS port, as the fake provider requires) and is marked ray + slow."""
 
 import pytest
+from conftest import REPO
 
 from cluster.config import load_and_prepare
 from cluster.rehearse import FAKE_HEAD_TYPE, GCS_PORT, _port_free, fake_cluster_config, rehearse
-from conftest import REPO
 
 
 def test_fake_config_keeps_names_and_resources_of_the_worker_types():

@@ -14,12 +14,12 @@ import urllib.request
 from datetime import datetime, timedelta, timezone
 
 import pytest
-
 from aws import FakeImds, closed_port_url
+from conftest import REPO, private_cluster
+
 from cluster.cli import main as cluster_main
 from cluster.imds import SPOT_ACTION_PATH, ImdsClient, ImdsError, ImdsUnavailable, Notice
 from cluster.spot_watcher import SpotPolicy, SpotWatcher
-from conftest import REPO, private_cluster
 
 NOW = datetime(2026, 12, 1, 13, 0, 0, tzinfo=timezone.utc)
 

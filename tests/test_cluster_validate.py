@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import yaml
+from conftest import REPO
 
 from cluster.checks import Status
 from cluster.config import ConfigError, load_cluster_yaml, ray_prepare_and_validate
 from cluster.network import exposure
 from cluster.shell import exports_auth_token
 from cluster.validate import validate_cluster
-from conftest import REPO
 
 CLUSTER_YAML = REPO / "cluster.yaml"
 ONPREM_YAML = REPO / "cluster" / "onprem.yaml"
@@ -198,8 +198,8 @@ def test_every_node_installs_what_pyproject_lists(path):
     there: each node needs every dependency pyproject.toml names, with the same version bounds
     (torch pinned, in the command before), and MLflow's login and NVML besides."""
     import shlex
-    import tomllib
 
+    import tomllib
     from packaging.requirements import Requirement
 
     wanted = {Requirement(r).name: Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 
 from cluster.checks import Laptop, Status
 from cluster.config import load_and_prepare, load_cluster_yaml
 from cluster.rules import auth_token, local_token, mlflow_auth
 from cluster.validate import validate_cluster
-from conftest import REPO
 
 CLUSTER_YAML = REPO / "cluster.yaml"
 TOKEN = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"  # what `ray get-auth-token --generate` writes: hex

@@ -3,7 +3,6 @@ containers that need it, no root, no privilege escalation, no capabilities, and 
 that covers every pod the RayJob makes. Read as text: no Kubernetes, no Ray."""
 
 import yaml
-
 from conftest import REPO
 
 RAYJOB = REPO / "cluster" / "kuberay" / "rayjob.yaml"

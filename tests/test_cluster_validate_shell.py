@@ -3,11 +3,24 @@ the ports Ray and MLflow listen on, and ingress ranges as addresses. Pure functi
 
 import pytest
 
-from cluster.network import (exposure, is_too_wide, listeners, mlflow_listener, public_span, ray_start_listeners,
-                             reaches_internet)
+from cluster.network import (
+    exposure,
+    is_too_wide,
+    listeners,
+    mlflow_listener,
+    public_span,
+    ray_start_listeners,
+    reaches_internet,
+)
 from cluster.rules import literal_secrets
-from cluster.shell import (auth_mode_at_ray_start, container_env, env_at, exports_auth_token, is_mlflow_server,
-                           simple_commands)
+from cluster.shell import (
+    auth_mode_at_ray_start,
+    container_env,
+    env_at,
+    exports_auth_token,
+    is_mlflow_server,
+    simple_commands,
+)
 
 TOKEN = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
 

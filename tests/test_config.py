@@ -2,8 +2,8 @@
 
 import pytest
 import yaml
-
 from conftest import CONFIGS
+
 from training import config as config_lib
 from training.errors import ConfigError
 
@@ -102,22 +102,22 @@ def test_a_config_file_name_makes_a_valid_default_run_name():
 
 
 def test_the_parallel_strategy_is_part_of_a_runs_identity():
-    from training.run.record import RunRecord
+    from training.run.record import Record
 
     job = config_lib.load(CONFIGS / "digits.yaml")
     fsdp = config_lib.load(CONFIGS / "digits.yaml", ["parallel.strategy=fsdp"])
     assert config_lib.identity_of(job)["parallel.strategy"] == "ddp"
-    record = RunRecord("r", config_lib.identity_of(job), None, None)
+    record = Record("r", config_lib.identity_of(job), None, None)
     with pytest.raises(ConfigError, match="already exists with a different parallel.strategy;"):
         record.check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
     # A record written before the strategy joined the identity does not hold it: not compared.
     older = {k: v for k, v in config_lib.identity_of(job).items() if k != "parallel.strategy"}
-    RunRecord("r", older, None, None).check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
-    RunRecord("s", {"base": older, "num_samples": 4}, None, None).check_resumable(  # a sweep's base job
+    Record("r", older, None, None).check_resumable(config_lib.identity_of(fsdp), "run", "the original values")
+    Record("s", {"base": older, "num_samples": 4}, None, None).check_resumable(  # a sweep's base job
         {"base": config_lib.identity_of(fsdp), "num_samples": 4}, "sweep", "the original sweep file")
     # Any other field the record lacks is a difference: the record is not one to continue.
     with pytest.raises(ConfigError, match="different model"):
-        RunRecord("r", {k: v for k, v in older.items() if k != "model"}, None, None).check_resumable(
+        Record("r", {k: v for k, v in older.items() if k != "model"}, None, None).check_resumable(
             config_lib.identity_of(job), "run", "the original values")
 
 

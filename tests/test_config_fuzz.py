@@ -5,21 +5,21 @@ exception (a traceback). In-process, no Ray."""
 import math
 import tempfile
 from pathlib import Path
-from typing import Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import annotated_types
 import pytest
 import yaml
+from conftest import CONFIGS
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from conftest import CONFIGS
 from training import config as config_lib
-from training.data.sources import BUILTIN_SOURCES
+from training.data.registry import SOURCES
 from training.errors import UserError
-from training.models import BUILTIN_MODELS
+from training.models.registry import MODELS
 from tuning import config as sweep_config
 from tuning.space import KINDS
 
@@ -38,6 +38,8 @@ JUNK = st.recursive(SCALARS, lambda inner: st.one_of(
 def _section_type(annotation):
     """The config section (a pydantic model) a field holds, directly or as Optional[...]."""
     for candidate in (annotation, *get_args(annotation)):
+        if get_origin(candidate) is Annotated:  # (a member of a chosen section: model, data)
+            candidate = get_args(candidate)[0]
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None
@@ -89,9 +91,9 @@ def _options(types) -> st.SearchStrategy[dict]:
 
 
 SPECIAL = {
-    "name": st.one_of(st.sampled_from([*BUILTIN_MODELS, "plugins.examples:linear", "a:b:c"]), ODD_TEXT),
-    "source": st.one_of(st.sampled_from([*BUILTIN_SOURCES, "plugins.examples:blobs"]), ODD_TEXT),
-    "options": _options([t for t, *_ in BUILTIN_MODELS.values()] + [t for t, _ in BUILTIN_SOURCES.values()]),
+    "name": st.one_of(st.sampled_from([*MODELS, "plugins.examples:linear", "a:b:c"]), ODD_TEXT),
+    "source": st.one_of(st.sampled_from([*SOURCES, "plugins.examples:blobs"]), ODD_TEXT),
+    "options": _options([c.Config.model_fields["options"].annotation for c in [*MODELS.values(), *SOURCES.values()]]),
 }
 JOBS = st.one_of(section(config_lib.JobConfig, SPECIAL), JUNK)
 

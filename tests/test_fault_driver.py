@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import CONFIGS, tracked_history
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]

@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
-
 from conftest import CONFIGS, private_cluster, tracked_history, wait_for
-from training.checkpoint import format as ckpt
+
 from training import config as config_lib
+from training.checkpoint import format as ckpt
 from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
@@ -111,12 +111,13 @@ def loss_history(workdir, name):
 def expected_digests(workdir, steps: int, seed: int = 0) -> dict[int, int]:
     """step -> the data digest a run of these global batches of 32 has after that step, computed here
     from the prepared data alone (at world size 1: the digest is the same at any size)."""
-    from training.data.loader import DIGEST_MODULUS, BatchPlan, batch_digest
-    from training.data.prepare import Manifest
-    from training.data.readers import train_batches
+    from training.data.manifest import Manifest
+    from training.data.order import DIGEST_MODULUS, BatchPlan, batch_digest
+    from training.data.registry import source_of
 
     (root,) = (workdir / "runs" / "datasets").glob("digits-*")
-    shard = train_batches(Manifest.load(str(root)), BatchPlan(32, 1, 0), seed)
+    manifest = Manifest.load(str(root))
+    shard = source_of(manifest.source).open(manifest, BatchPlan(32, 1, 0), seed)
     total, digests = 0, {}
     for step in range(steps):
         shard.batch(step)

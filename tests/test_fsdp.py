@@ -7,13 +7,15 @@ import json
 import pytest
 import torch
 import torch.utils.checkpoint
-
 from conftest import CONFIGS
-from training.checkpoint import format as ckpt
+
 from training import config as config_lib
 from training import storage
+from training.checkpoint import format as ckpt
 from training.errors import ConfigError
-from training.models.gpt import GPT, PRESETS, GPTOptions
+from training.models.gpt import FAMILY as GPT_FAMILY
+from training.models.gpt import PRESETS, GPTOptions
+from training.models.gpt_nn import GPT
 from training.worker.parallel import peak_flops_of, peak_flops_per_s
 
 TINY = ["data.options={seq_len: 32, max_bytes: 60000}", "model.options={n_layer: 1, n_head: 2, d_model: 32}"]
@@ -171,7 +173,8 @@ def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options
     torch.manual_seed(0)
     sharded = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
     names = list(sharded.state_dict())
-    assert wrap(sharded, ParallelConfig(strategy="fsdp", **options), torch.device("cpu")) is sharded
+    assert wrap(sharded, ParallelConfig(strategy="fsdp", **options), torch.device("cpu"),
+                blocks=GPT_FAMILY.blocks(sharded)) is sharded
     assert list(sharded.state_dict()) == names  # checkpoints keep the model's own names
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
     recomputed = [getattr(b.forward, "func", None) is torch.utils.checkpoint.checkpoint for b in sharded.blocks]
@@ -190,13 +193,14 @@ def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options
 # --- ONNX -----------------------------------------------------------------------------------------
 
 def test_onnx_export_round_trips(tmp_path):
+    from training.models.registry import build_model, model_section
     from training.run.export import export_onnx
-    from training.models import build_model
 
-    gpt = build_model("gpt", {"n_layer": 1, "n_head": 2, "d_model": 32}, {"task": "language_model", "vocab_size": 256, "seq_len": 32})
+    gpt = build_model(model_section({"name": "gpt", "options": {"n_layer": 1, "n_head": 2, "d_model": 32}}),
+                      {"task": "language_model", "vocab_size": 256, "seq_len": 32})
     result = export_onnx(gpt, torch.randint(0, 256, (3, 32)), tmp_path / "gpt.onnx")
     assert result["onnx_max_abs_diff"] < 1e-3 and result["onnx_bytes"] > 0
-    mlp = build_model("digits_mlp", {}, {"task": "classification", "input_dim": 64, "num_classes": 10})
+    mlp = build_model(model_section({"name": "digits_mlp"}), {"task": "classification", "input_dim": 64, "num_classes": 10})
     assert export_onnx(mlp, torch.rand(4, 64), tmp_path / "mlp.onnx")["onnx_max_abs_diff"] < 1e-3
 
     class Drifting(torch.nn.Module):  # traced once, a constant in ONNX; PyTorch's answer moves on
@@ -247,12 +251,13 @@ def _full_state_at(checkpoint_dir, workers: int, out) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from training.config import ParallelConfig
-        from training.models.gpt import GPT, GPTOptions
+        from training.models.gpt import FAMILY, GPTOptions
+        from training.models.gpt_nn import GPT
         from training.worker.parallel import wrap
 
         torch.manual_seed(123)  # weights unlike the checkpoint's: loading must replace every one
         model = GPT(256, 32, GPTOptions(n_layer=1, n_head=2, d_model=32))
-        wrap(model, ParallelConfig(strategy="fsdp"), torch.device("cpu"))
+        wrap(model, ParallelConfig(strategy="fsdp"), torch.device("cpu"), blocks=FAMILY.blocks(model))
         optimizer = torch.optim.AdamW(model.parameters())
         state = ckpt.load_sharded(config["dir"], model, optimizer)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

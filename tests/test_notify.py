@@ -3,14 +3,14 @@ retry policy, and real posts to a real http.server on loopback (one that answers
 first, one that is down)."""
 
 import pytest
-
 from conftest import CONFIGS
+from webhook import receiver
+
 from training import config as config_lib
 from training.errors import ConfigError
 from training.observe import notify
 from training.observe.notify import Target, event_for_transition, resolve, run_message, shown_url, sweep_message
 from training.observe.webhook import Notifier, PostPolicy
-from webhook import receiver
 
 SECRET = "T0KEN-s3cret-path"
 
@@ -154,7 +154,7 @@ def test_a_sweep_that_fails_posts_failed_with_its_error_line(tmp_path):
 
     path = tmp_path / "sweep.yaml"
     path.write_text(f"base: {CONFIGS / 'digits.yaml'}\nspace:\n  optim.lr: {{grid: [0.01]}}\n")
-    sweep = sweep_config.load(path, [f"tracking.notify=[{{url: '${{SWEEP_HOOK}}', on: [failed]}}]"], name="s1")
+    sweep = sweep_config.load(path, ["tracking.notify=[{url: '${SWEEP_HOOK}', on: [failed]}]"], name="s1")
     with receiver() as hook:
         (target,) = resolve(sweep.base.tracking.notify, {"SWEEP_HOOK": hook.url(f"/{SECRET}")})
         lines = []

@@ -10,14 +10,14 @@ import threading
 import time
 
 import pytest
-
 from aws import free_port
 from conftest import CONFIGS, train_worker_pids, wait_for
+from webhook import receiver
+
 from training import config as config_lib
 from training.errors import RunFailed
 from training.observe.status_cli import main as status_main
 from training.run.driver import run_training
-from webhook import receiver
 
 pytestmark = pytest.mark.ray
 

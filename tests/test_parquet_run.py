@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIGS, train_worker_pids
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS, train_worker_pids
 from training import config as config_lib
 from training.checkpoint import format as ckpt
 from training.errors import UserError

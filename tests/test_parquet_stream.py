@@ -8,11 +8,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import wait_for
+
+from training.backoff import RetryPolicy
 from training.data import parquet
-from training.data.loader import BatchPlan
+from training.data.files import changed, list_files
+from training.data.order import BatchPlan
+from training.data.parquet_index import FileReader
 from training.data.stream import RowGroup, StreamingShard, deal, steps_per_epoch
+from training.errors import DataError
 
 B = 24
 
@@ -155,7 +159,7 @@ def options(root, **kw):
 
 def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path):
     total = write_spark_like(tmp_path / "t")
-    index = parquet.build_index(options(tmp_path / "t"))
+    index = parquet.index_of(options(tmp_path / "t"))
     files = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
     assert len(files) == 6 and all(f["uri"].endswith(".snappy.parquet") for f in files)
     assert index["splits"]["train"]["rows"] + index["splits"]["validation"]["rows"] == total
@@ -164,8 +168,8 @@ def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path
     assert index["spec"] == {"input_dim": 2, "num_classes": 3}
     assert len(index["splits"]["validation"]["files"]) == 2  # ceil(6 * 0.2)
     # the same split however the files are listed, and a filter on the partition
-    assert parquet.build_index(options(tmp_path / "t"))["splits"] == index["splits"]
-    one_day = parquet.build_index(options(tmp_path / "t", filter={"day": "2026-01-02"}))
+    assert parquet.index_of(options(tmp_path / "t"))["splits"] == index["splits"]
+    one_day = parquet.index_of(options(tmp_path / "t", filter={"day": "2026-01-02"}))
     assert {f["partition"]["day"] for f in one_day["splits"]["train"]["files"]} == {"2026-01-02"}
 
 
@@ -198,12 +202,12 @@ def test_a_table_spark_wrote_is_indexed_and_read_as_written(tmp_path, written):
 
     table = SPARK_TABLE if written == "committed" else spark_table(tmp_path)
     assert (table / "_SUCCESS").exists() and list(table.glob("day=*/.part-*.crc"))
-    files = parquet.list_files(str(table))
+    files = list_files(str(table))
     assert len(files) == 8 and {f.partition["day"] for f in files} == {"2026-01-01", "2026-01-02"}
     first = pq.ParquetFile(files[0].uri.removeprefix("file://"))
     assert first.metadata.created_by.startswith("parquet-mr") and b"org.apache.spark.version" in first.schema_arrow.metadata
     opts = parquet.ParquetOptions(path=str(table), features="pixels", label="digit", validation_fraction=0.25)
-    index = parquet.build_index(opts)
+    index = parquet.index_of(opts)
     splits = index["splits"]
     assert splits["train"]["rows"] + splits["validation"]["rows"] == 1797
     assert index["spec"] == {"input_dim": 64, "num_classes": 10}
@@ -214,7 +218,7 @@ def test_a_table_spark_wrote_is_indexed_and_read_as_written(tmp_path, written):
     expected = {(tuple((digits.data[i] / 16).astype(np.float32)), int(digits.target[i])) for i in range(1797)}
     read = set()
     for name in ("train", "validation"):
-        reader = parquet.FileReader(splits[name], opts)
+        reader = FileReader(splits[name], opts.columns())
         for group in range(len(reader.groups)):
             part = reader.load(group)
             assert part["x"].dtype == np.float32 and part["x"].shape[1] == 64
@@ -224,13 +228,13 @@ def test_a_table_spark_wrote_is_indexed_and_read_as_written(tmp_path, written):
 
 def test_a_changed_file_is_named(tmp_path):
     write_spark_like(tmp_path / "t")
-    index = parquet.build_index(options(tmp_path / "t"))
+    index = parquet.index_of(options(tmp_path / "t"))
     recorded = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
-    listing = parquet.list_files(str(tmp_path / "t"))
-    assert parquet.changed(recorded, listing) is None
+    listing = list_files(str(tmp_path / "t"))
+    assert changed(recorded, listing) is None
     victim = tmp_path / "t" / "day=2026-01-01" / "part-00001-c000.snappy.parquet"
     os.utime(victim, ns=(1, 1))
-    assert "part-00001-c000.snappy.parquet changed" in parquet.changed(recorded, parquet.list_files(str(tmp_path / "t")))
+    assert "part-00001-c000.snappy.parquet changed" in changed(recorded, list_files(str(tmp_path / "t")))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -243,18 +247,18 @@ def test_a_changed_file_is_named(tmp_path):
 def test_bad_data_is_named_before_training(tmp_path, mutate, message):
     write_spark_like(tmp_path / "t")
     mutate(tmp_path / "t")
-    with pytest.raises(parquet.DataError, match=message):
-        parquet.build_index(options(tmp_path / "t"))
+    with pytest.raises(DataError, match=message):
+        parquet.index_of(options(tmp_path / "t"))
 
 
 def test_row_groups_stream_through_the_loader(tmp_path):
     total = write_spark_like(tmp_path / "t")
-    index = parquet.build_index(options(tmp_path / "t", validation_path=None, validation_fraction=0.2))
+    index = parquet.index_of(options(tmp_path / "t", validation_path=None, validation_fraction=0.2))
     opts = options(tmp_path / "t")
     split = index["splits"]["train"]
     batches = []
     for world_size in (1, 2):
-        readers = [parquet.FileReader(split, opts) for _ in range(world_size)]
+        readers = [FileReader(split, opts.columns()) for _ in range(world_size)]
         shards = [StreamingShard(readers[r].groups, readers[r].load, BatchPlan(8, world_size, r), seed=1,
                                  partitions=4, window=2) for r in range(world_size)]
         batches.append([np.concatenate([s.batch(step)["x"][:, 1] for s in shards]) for step in range(10)])
@@ -266,7 +270,6 @@ def test_row_groups_stream_through_the_loader(tmp_path):
 
 def test_the_same_layout_on_s3_is_indexed_and_streamed(tmp_path, monkeypatch, moto_endpoint):
     import pyarrow.fs as pafs
-
     from aws import create_bucket, s3_env
 
     for key, value in s3_env(moto_endpoint).items():
@@ -277,15 +280,15 @@ def test_the_same_layout_on_s3_is_indexed_and_streamed(tmp_path, monkeypatch, mo
     pafs.copy_files(str(tmp_path / "t"), "lake/tables/t", source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=s3)
 
-    index = parquet.build_index(options("s3://lake/tables/t"))
-    local = parquet.build_index(options(tmp_path / "t"))
+    index = parquet.index_of(options("s3://lake/tables/t"))
+    local = parquet.index_of(options(tmp_path / "t"))
     files = index["splits"]["train"]["files"] + index["splits"]["validation"]["files"]
     assert len(files) == 6 and all(f["uri"].startswith("s3://lake/tables/t/day=") for f in files)
     assert sum(s["rows"] for s in index["splits"].values()) == total and index["spec"] == local["spec"]
-    glob = parquet.list_files("s3://lake/tables/t/day=2026-01-01/*.parquet")
+    glob = list_files("s3://lake/tables/t/day=2026-01-01/*.parquet")
     assert len(glob) == 3 and {f.partition["day"] for f in glob} == {"2026-01-01"}
     split = index["splits"]["train"]
-    reader = parquet.FileReader(split, options("s3://lake/tables/t"))
+    reader = FileReader(split, options("s3://lake/tables/t").columns())
     shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2,
                            on_close=reader.close)
     try:
@@ -302,7 +305,6 @@ def test_a_read_retries_through_a_storage_outage(tmp_path, monkeypatch, moto_end
     import threading
 
     import pyarrow.fs as pafs
-
     from aws import Outage, create_bucket, s3_env
 
     outage = Outage(int(moto_endpoint.rsplit(":", 1)[1]))
@@ -312,9 +314,9 @@ def test_a_read_retries_through_a_storage_outage(tmp_path, monkeypatch, moto_end
     write_spark_like(tmp_path / "t")
     s3, _ = pafs.FileSystem.from_uri("s3://outage/")
     pafs.copy_files(str(tmp_path / "t"), "outage/t", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
-    split = parquet.build_index(options("s3://outage/t"))["splits"]["train"]
-    reader = parquet.FileReader(split, options("s3://outage/t"),
-                                retry=parquet.RetryPolicy(attempts=8, first_delay_s=1, max_delay_s=2, budget_s=60))
+    split = parquet.index_of(options("s3://outage/t"))["splits"]["train"]
+    reader = FileReader(split, options("s3://outage/t").columns(),
+                                retry=RetryPolicy(attempts=8, first_delay_s=1, max_delay_s=2, budget_s=60))
     caplog.set_level(logging.WARNING, logger="training.data.parquet")
     outcome = {}
     outage.down()
@@ -333,16 +335,15 @@ def test_a_read_retries_through_a_storage_outage(tmp_path, monkeypatch, moto_end
     message = next(r.getMessage() for r in caplog.records if "retry 1 of at most 7" in r.getMessage())
     assert message.startswith(f"reading {uri} (row group {group.index}) failed (")
     written = pq.ParquetFile(tmp_path / "t" / uri.removeprefix("s3://outage/t/"))  # the same row group, as written
-    expected = parquet.columns_to_arrays(written.read_row_group(group.index, columns=reader.options.columns()),
-                                         reader.options)
+    expected = reader.columns.arrays(written.read_row_group(group.index, columns=reader.columns.read()))
     assert all(np.array_equal(outcome["columns"][k], expected[k]) for k in expected)
 
 
 def test_a_file_gone_or_changed_during_a_run_fails_naming_it(tmp_path):
     write_spark_like(tmp_path / "t")
-    split = parquet.build_index(options(tmp_path / "t"))["splits"]["train"]
-    reader = parquet.FileReader(split, options(tmp_path / "t"),
-                                retry=parquet.RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.01))
+    split = parquet.index_of(options(tmp_path / "t"))["splits"]["train"]
+    reader = FileReader(split, options(tmp_path / "t").columns(),
+                                retry=RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.01))
     by_file = {}
     for group_id, group in enumerate(reader.groups):
         by_file.setdefault(group.file, group_id)
@@ -352,11 +353,11 @@ def test_a_file_gone_or_changed_during_a_run_fails_naming_it(tmp_path):
     shard = StreamingShard(reader.groups, reader.load, BatchPlan(8, 1, 0), seed=1, partitions=4, window=2,
                            on_close=reader.close)
     try:
-        fresh = parquet.FileReader(split, options(tmp_path / "t"))  # (a new worker: opens the file now)
-        with pytest.raises(parquet.DataError, match=rf"^{split['files'][gone]['uri']} is gone: deleted or moved "
+        fresh = FileReader(split, options(tmp_path / "t").columns())  # (a new worker: opens the file now)
+        with pytest.raises(DataError, match=rf"^{split['files'][gone]['uri']} is gone: deleted or moved "
                                                     r"during the run.*restore it and resume"):
             fresh.load(gone_group)
-        with pytest.raises(parquet.DataError, match=" is gone: "):  # through the loader's read-ahead
+        with pytest.raises(DataError, match=" is gone: "):  # through the loader's read-ahead
             for step in range(shard.steps_per_epoch):
                 shard.batch(step)
     finally:
@@ -364,5 +365,5 @@ def test_a_file_gone_or_changed_during_a_run_fails_naming_it(tmp_path):
     path = split["files"][changed]["uri"]
     table = pq.read_table(path)
     pq.write_table(table.slice(0, table.num_rows // 2), path)
-    with pytest.raises(parquet.DataError, match=rf"^{path} changed during the run \(size \d+ -> \d+ bytes\)"):
-        parquet.FileReader(split, options(tmp_path / "t")).load(changed_group)
+    with pytest.raises(DataError, match=rf"^{path} changed during the run \(size \d+ -> \d+ bytes\)"):
+        FileReader(split, options(tmp_path / "t").columns()).load(changed_group)

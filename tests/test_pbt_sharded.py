@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
+from conftest import REPO, first_exploit
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO, first_exploit
 from training.checkpoint import format as ckpt
-from training.models import build_model
+from training.models.registry import build_model, model_section
 from tuning import config as sweep_config
 from tuning.sweep import run_sweep
 
@@ -63,8 +63,7 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
     model_config = seed_state["config"]["model"]
 
     def weights(directory):
-        model = build_model(model_config["name"], model_config["options"],
-                            {"task": "classification", "input_dim": 64, "num_classes": 10})
+        model = build_model(model_section(model_config), {"task": "classification", "input_dim": 64, "num_classes": 10})
         return ckpt.load_model_state(directory, model)
 
     donor_weights, seed_weights = weights(donors[0]), weights(seed)

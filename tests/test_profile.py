@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS
+
 from training import config as config_lib
 from training.config import ProfileConfig
 from training.errors import ConfigError

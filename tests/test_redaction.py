@@ -4,12 +4,12 @@ the end-to-end proof against a real MLflow server is in test_tracking_outage.py.
 import json
 
 import pytest
-
 from conftest import CONFIGS
+
 from training import config as config_lib
 from training.errors import ConfigError
 from training.redaction import redact, redact_values
-from training.run.record import RunRecord
+from training.run.record import Record
 
 SECRET = "S3cretPassw0rd"
 
@@ -46,10 +46,10 @@ def test_a_job_config_is_shown_and_flattened_without_the_password():
 
 def test_the_run_record_keeps_no_password_and_a_changed_password_is_the_same_store(tmp_path):
     uri = str(tmp_path / "run.json")
-    RunRecord("r", {}, "abc", f"http://alice:{SECRET}@mlflow:5000").write(uri)
+    Record("r", {}, "abc", f"http://alice:{SECRET}@mlflow:5000").write(uri)
     text = (tmp_path / "run.json").read_text()
     assert SECRET not in text and "http://alice:***@mlflow:5000" in text
-    record = RunRecord.read(uri, "r", "storage")
+    record = Record.read(uri, "r", "storage")
     record.check_tracking(f"http://alice:{SECRET}@mlflow:5000")
     record.check_tracking("http://alice:rotated@mlflow:5000")
     with pytest.raises(ConfigError, match=r"tracked at http://alice:\*\*\*@mlflow:5000, not http://alice:\*\*\*@other:5000") as caught:

@@ -8,13 +8,20 @@ import sys
 
 import pytest
 import torch
-
 from conftest import CONFIGS, REPO
+
 from training import config as config_lib
 from training.errors import ConfigError
+from training.failure.replicas import (
+    LOST,
+    NOTHING_DUE,
+    REJOINED,
+    ReplicaLedger,
+    ReportGate,
+    carried_after,
+    waits_for_all,
+)
 from training.worker.policy import StepDue
-from training.worker.replicas import (LOST, NOTHING_DUE, REJOINED, ReplicaLedger, ReportGate, carried_after,
-                                      waits_for_all)
 
 
 def load(*overrides):
@@ -121,7 +128,7 @@ def test_one_replica_group_steps_against_a_real_lighthouse(monkeypatch):
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
-    from training.worker.replica_group import ReplicaGroup
+    from training.failure.replica_group import ReplicaGroup
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what Ray's torch backend starts
@@ -132,7 +139,6 @@ def test_one_replica_group_steps_against_a_real_lighthouse(monkeypatch):
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         group.share("model", model.state_dict, model.load_state_dict)
         wrapped = group.wrap(model)
         group.start_step(5)  # a resumed run: torchft counts from the checkpoint's step

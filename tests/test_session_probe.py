@@ -12,8 +12,8 @@ import time
 from concurrent import futures
 
 import pytest
-
 from conftest import CONFIGS
+
 from training.errors import UserError
 from training.run.session import decide_recorded_cluster, live_local_cluster
 

@@ -8,8 +8,9 @@ import re
 import subprocess
 import sys
 
-
 from conftest import REPO
+from webhook import receiver
+
 from training.checkpoint import format as ckpt
 from training.observe.callback import RunEvents
 from training.observe.driver_status import DriverStatus
@@ -17,8 +18,7 @@ from training.observe.notify import Target
 from training.observe.state import decide_state, stale_after_s
 from training.observe.status_cli import main as status_main
 from training.observe.webhook import Notifier, PostPolicy
-from training.run.record import RunRecord
-from webhook import receiver
+from training.run.record import Record
 
 
 def write_checkpoint(run_dir, step, complete=True):
@@ -38,7 +38,7 @@ def status(*args):
 
 def started_run(storage, name="r1", targets=()):
     run_dir = storage / name
-    RunRecord(name, {"seed": 0}, "abc123", "http://alice:pw@mlflow.example:5000").write(str(run_dir / "run.json"))
+    Record(name, {"seed": 0}, "abc123", "http://alice:pw@mlflow.example:5000").write(str(run_dir / "run.json"))
     driver = DriverStatus(str(run_dir), name, heartbeat_every_s=0.2, warn=print).start(
         mlflow_run_id="abc123", mlflow_url="http://mlflow.example:5000/#/experiments/1/runs/abc123",
         tracking_uri="http://alice:pw@mlflow.example:5000")
@@ -143,7 +143,7 @@ def test_status_from_a_laptop_against_s3(moto_endpoint, monkeypatch):
     create_bucket(moto_endpoint, "status-runs")
     storage = "s3://status-runs/runs"
     run_dir = f"{storage}/s3run"
-    RunRecord("s3run", {"seed": 0}, "abc123", None).write(f"{run_dir}/run.json")
+    Record("s3run", {"seed": 0}, "abc123", None).write(f"{run_dir}/run.json")
     driver = DriverStatus(run_dir, "s3run", heartbeat_every_s=0.2).start(mlflow_run_id="abc123")
     RunEvents("s3run", run_dir).on_report({"step": 7, "total_steps": 9, "train_loss": 1.5}, checkpointed=True)
     command = [sys.executable, "-m", "training", "status", "s3run", "--storage", storage]

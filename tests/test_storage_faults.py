@@ -12,11 +12,11 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
-
 from aws import create_bucket, free_port, s3_env
 from conftest import CONFIGS, wait_for
-from training.checkpoint import format as ckpt
+
 from training import config as config_lib
+from training.checkpoint import format as ckpt
 from training.checkpoint.upload import RetryPolicy, upload, with_retries
 
 

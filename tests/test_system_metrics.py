@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from training.observe.system import (SYSTEM_KEY, SystemSampler, mlflow_rows, node_label, node_monitors,
-                                     process_monitor)
+from training.observe.system import SYSTEM_KEY, SystemSampler, mlflow_rows, node_label, node_monitors, process_monitor
 
 
 def test_a_node_sample_has_mlflows_series_the_throughput_and_the_workers_memory():
@@ -125,9 +124,10 @@ def test_every_workers_own_series_and_each_nodes_from_its_first_worker_become_ml
 
 @pytest.mark.parametrize("value", ["-1", "often"])
 def test_a_bad_sampling_interval_is_refused_naming_the_field(value):
+    from conftest import CONFIGS
+
     from training import config as config_lib
     from training.errors import UserError
-    from conftest import CONFIGS
 
     with pytest.raises(UserError, match="tracking.system_metrics_interval_s"):
         config_lib.load(CONFIGS / "digits.yaml", [f"tracking.system_metrics_interval_s={value}"])

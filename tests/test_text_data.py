@@ -9,13 +9,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import CONFIGS, REPO
-from training.config import DataConfig
-from training.data import external, text
-from training.data.loader import BatchPlan
-from training.data.prepare import Manifest
-from training.data.tokenize import FileTask, output_name, tokenize_file
+
+from training.data import text
+from training.data.file_work import FileTask, output_name
+from training.data.manifest import Manifest
+from training.data.order import BatchPlan
+from training.data.parquet import IndexedRows, open_stream
+from training.data.registry import data_section
+from training.data.tokenize import tokenize_file
 from training.data.tokenizer import EOS, train_tokenizer
 from training.errors import ConfigError, UserError
 
@@ -51,25 +53,37 @@ def options(root, **extra):
     return {**base, **extra}
 
 
-def data_config(root, **extra) -> DataConfig:
-    return DataConfig(source="text", options=options(root, **extra))
+def data_config(root, **extra):
+    return data_section(dict(source="text", options=options(root, **extra)))
+
+
+def plan(data, cache_root):
+    return text.SOURCE.plan(data, cache_root)
+
+
+def prepare(data, cache_root, log=print, on_file=None):
+    return plan(data, cache_root).prepare(None, log, on_file=on_file)
+
+
+def check_unchanged(recorded_root, data, cache_root):
+    plan(data, cache_root).check_unchanged(recorded_root)
 
 
 def test_tokenizer_training_is_deterministic_for_the_same_sample(tmp_path):
     corpus(tmp_path / "in")
     data = data_config(tmp_path / "in")
-    first = text.plan(data, str(tmp_path / "a"))
+    first = plan(data, str(tmp_path / "a"))
     trained = [train_tokenizer(first.inputs["train"], first.options).to_str() for _ in range(2)]
     assert trained[0] == trained[1]
-    text.prepare(data, str(tmp_path / "a"), log=lambda _: None)
-    text.prepare(data, str(tmp_path / "b"), log=lambda _: None)
+    prepare(data, str(tmp_path / "a"), log=lambda _: None)
+    prepare(data, str(tmp_path / "b"), log=lambda _: None)
     saved = [next((tmp_path / c).glob("text-*/tokenizer.json")).read_text() for c in "ab"]
     assert saved[0] == saved[1] == trained[0]
 
 
 def test_packing_puts_eos_between_documents_in_rows_of_seq_len_plus_one(tmp_path):
     texts = corpus(tmp_path / "in")
-    text_plan = text.plan(data_config(tmp_path / "in"), str(tmp_path / "cache"))
+    text_plan = plan(data_config(tmp_path / "in"), str(tmp_path / "cache"))
     tokenizer = train_tokenizer(text_plan.inputs["train"], text_plan.options)
     source = next(uri for uri, docs in texts.items() if len(docs) > 1)
     counts = tokenize_file(FileTask(source, "jsonl", str(tmp_path / "out")), tokenizer, 0, 17, 3, "body")
@@ -105,42 +119,42 @@ def test_an_interrupted_preparation_resumes_without_rewriting_finished_files(tmp
             raise KeyboardInterrupt("killed")
 
     with pytest.raises(KeyboardInterrupt):
-        text.prepare(data, str(tmp_path / "cache"), log=lambda _: None, on_file=stop_after_three)
+        prepare(data, str(tmp_path / "cache"), log=lambda _: None, on_file=stop_after_three)
     (root,) = (tmp_path / "cache").glob("text-*")
     assert not (root / "manifest.json").exists()
     finished = {p: p.stat().st_mtime_ns for p in root.glob("*/*.parquet")}
     assert len(finished) == 3 and not list(root.glob("*/.*.tmp"))
     lines = []
-    resumed = text.prepare(data, str(tmp_path / "cache"), log=lines.append)
+    resumed = prepare(data, str(tmp_path / "cache"), log=lines.append)
     assert {p: p.stat().st_mtime_ns for p in finished} == finished
     assert any("tokenized 5 of 8 files" in line for line in lines) and any("3 files prepared earlier" in line
                                                                         for line in lines)
-    whole = text.prepare(data, str(tmp_path / "other"), log=lambda _: None)
+    whole = prepare(data, str(tmp_path / "other"), log=lambda _: None)
     assert _normalised(resumed) == _normalised(whole)
 
 
 def test_a_resume_on_changed_text_is_refused(tmp_path):
     texts = corpus(tmp_path / "in")
     data = data_config(tmp_path / "in")
-    manifest = text.prepare(data, str(tmp_path / "cache"), log=lambda _: None)
-    text.check_unchanged(manifest.root, data, str(tmp_path / "cache"))
+    manifest = prepare(data, str(tmp_path / "cache"), log=lambda _: None)
+    check_unchanged(manifest.root, data, str(tmp_path / "cache"))
     changed = sorted(texts)[0]
     with open(changed, "a") as handle:
         handle.write(" more")
     with pytest.raises(UserError, match="data.options.path: the text changed since the run started"):
-        text.check_unchanged(manifest.root, data, str(tmp_path / "cache"))
+        check_unchanged(manifest.root, data, str(tmp_path / "cache"))
 
 
 def test_streamed_rows_decode_back_to_the_corpus(tmp_path):
     texts = corpus(tmp_path / "in")
     data = data_config(tmp_path / "in")
-    manifest = text.prepare(data, str(tmp_path / "cache"), log=lambda _: None)
+    manifest = prepare(data, str(tmp_path / "cache"), log=lambda _: None)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(next((tmp_path / "cache").glob("text-*/tokenizer.json"))))
     assert manifest.spec == {"vocab_size": tokenizer.get_vocab_size(), "seq_len": 16}
-    split = external.ExternalSplit(manifest, "train")
-    rows = split.take(np.arange(split.num_rows))["tokens"].numpy()
+    split = IndexedRows(manifest, "train")
+    rows = split.take(np.arange(split.num_rows))["tokens"]
     start, inputs = 0, {}
     for file in manifest.splits["train"]["files"]:  # each output file: its input's documents, packed
         count = sum(file["row_groups"])
@@ -151,9 +165,9 @@ def test_streamed_rows_decode_back_to_the_corpus(tmp_path):
         assert whole.startswith(decoded) and len(whole) - len(decoded) < 16 * 12
         inputs[source] = decoded
     assert len(inputs) == len(manifest.splits["train"]["files"])
-    stream = external.train_stream(manifest, BatchPlan(4, 1, 0), seed=0)
+    stream = open_stream(manifest, BatchPlan(4, 1, 0), seed=0)
     positional = {tuple(r) for r in rows}
-    streamed = [tuple(r) for s in range(stream.steps_per_epoch) for r in stream.batch(s)["tokens"].numpy()]
+    streamed = [tuple(r) for s in range(stream.steps_per_epoch) for r in stream.batch(s)["tokens"]]
     assert len(streamed) == stream.steps_per_epoch * 4 and set(streamed) <= positional
 
 
@@ -170,7 +184,7 @@ def _missing_field(root):
 def _missing_field_found_while_tokenizing(root):
     """(no tokenizer to train: the bad line is found by the file's own task, after the first line)"""
     corpus(root.parent / "good")
-    good = text.plan(data_config(root.parent / "good"), str(root.parent / "unused"))
+    good = plan(data_config(root.parent / "good"), str(root.parent / "unused"))
     train_tokenizer(good.inputs["train"], good.options).save(str(root.parent / "tokenizer.json"))
     return {**_missing_field(root), "tokenizer": {"file": str(root.parent / "tokenizer.json")}}
 
@@ -195,9 +209,9 @@ BAD = [
 @pytest.mark.parametrize("case, change, error, words", BAD, ids=[c[0] for c in BAD])
 def test_bad_input_is_refused_naming_the_option_and_file_with_nothing_written(tmp_path, case, change, error, words):
     corpus(tmp_path / "in")
-    data = data_config(tmp_path / "in", **change(tmp_path / "in"))
     with pytest.raises(error) as raised:
-        text.prepare(data, str(tmp_path / "cache"), log=lambda _: None)
+        data = data_config(tmp_path / "in", **change(tmp_path / "in"))
+        prepare(data, str(tmp_path / "cache"), log=lambda _: None)
     for word in words:
         assert word in str(raised.value)
     written = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] if (tmp_path / "cache").exists() else []
@@ -225,8 +239,8 @@ def test_tinylm_bpe_trains_on_the_standard_library_and_logs_its_tokenizer(ray_cl
     assert summary.metrics["val_perplexity"] < 512 and summary.metrics["tokens_per_s"] > 0  # better than uniform
     assert any("on the cluster (Ray Data)" in line for line in lines)
     (root,) = (workdir / "runs" / "datasets").glob("text-*")
-    in_driver = text.prepare(job.data.model_copy(update={"options": {**job.data.options, "tokenize_on": "driver"}}),
-                             str(workdir / "again"), log=print)
+    in_driver = prepare(job.data.model_copy(update={"options": job.data.options.model_copy(
+        update={"tokenize_on": "driver"})}), str(workdir / "again"), log=print)
     assert _normalised(in_driver) == _normalised(Manifest.load(str(root)))  # the same rows, wherever tokenized
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     assert [a.path for a in client.list_artifacts(summary.mlflow_run_id, "tokenizer")] == ["tokenizer/tokenizer.json"]

@@ -16,9 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import CONFIGS, REPO, wait_for
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS, REPO, wait_for
 from training import config as config_lib
 from training.tracking.backlog import BACKLOG_FILE, read_backlog, replay_backlogs
 from training.tracking.policy import SendPolicy
@@ -169,7 +169,7 @@ time.sleep(600)
 def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(server, workdir, caplog, capsys):
     from training.run.driver import start_tracking
     from training.run.paths import resolve_paths
-    from training.run.record import RunRecord
+    from training.run.record import Record
 
     caplog.set_level("WARNING", logger="training.tracking")
     server.kill()
@@ -227,7 +227,7 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
     # delivered, once, however often it is replayed.
     crashed_job = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={server.uri}"], name="crashed")
     resumed = start_tracking(crashed_job, resolve_paths(crashed_job, "crashed"),
-                              RunRecord("crashed", {}, crashed_id, server.uri), "crashed")
+                              Record("crashed", {}, crashed_id, server.uri), "crashed")
     assert resumed.run_id == crashed_id and client.get_run(crashed_id).info.status == "RUNNING"
     assert steps_of(client, crashed_id, "loss") == list(range(1, 21)) and not crashed_backlog.exists()
     crashed_backlog.write_text(json.dumps({"run_id": crashed_id, "tracking_uri": server.uri, "status": None}) + "\n"
@@ -241,17 +241,17 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
 
 def finished_run(tmp_path, run_dir: Path, run_id: str, tracking_uri: str):
     """What finalize gets at the end of a run: the job, its data, a real final checkpoint, a summary."""
-    import torch
     import ray.train
+    import torch
 
     from training.checkpoint import format as ckpt
-    from training.data.prepare import prepare
-    from training.models import build_model
+    from training.data.registry import prepare
+    from training.models.registry import build_model
     from training.run.driver import RunSummary
 
     job = config_lib.load(CONFIGS / "digits.yaml", [f"tracking.tracking_uri={tracking_uri}"], name=run_dir.name)
     manifest = prepare(job.data, str(tmp_path / "datasets"), log=lambda line: None)
-    model = build_model(job.model.name, job.model.options, {"task": manifest.task, **manifest.spec})
+    model = build_model(job.model, {"task": manifest.task, **manifest.spec})
     directory = run_dir / "checkpoint-00000020"
     directory.mkdir(parents=True)
     ckpt.save(directory, model_state=model.state_dict(), optimizer_state={}, scheduler_state={},

@@ -9,8 +9,8 @@ import sys
 from dataclasses import replace
 
 import pytest
-
 from conftest import REPO
+
 from training.backoff import exponential_backoff_s
 from training.tracking.policy import SenderAction, SenderDecision, SenderState, SendPolicy
 

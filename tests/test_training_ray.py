@@ -5,9 +5,9 @@ import mlflow
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIGS
 from mlflow.tracking import MlflowClient
 
-from conftest import CONFIGS
 from training import config as config_lib
 from training.run.driver import run_training
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import CONFIGS
-from training.config import DataConfig
-from training.data import external, transform
-from training.data.loader import BatchPlan
-from training.data.prepare import MANIFEST, Manifest, prepare
-from training.data.tokenize import output_name
+
+from training.data import parquet, transform
+from training.data.file_work import output_name
+from training.data.manifest import MANIFEST, Manifest
+from training.data.order import BatchPlan
+from training.data.parquet import open_stream
+from training.data.registry import data_section, prepare
 from training.errors import ConfigError, UserError
 
 SPARK_TABLE = Path(__file__).resolve().parent / "data" / "spark_digits"  # tests/data/make_spark_digits.py
@@ -31,10 +32,21 @@ def table(tmp_path):
     return target
 
 
-def data_config(table, function="plugins.transforms:scale_pixels", **transform_extra) -> DataConfig:
-    return DataConfig(source="parquet", options={
-        "path": str(table), "features": "x", "label": "label", "validation_fraction": 0.25, "partitions": 4,
-        "transform": {"function": function, **transform_extra}})
+def data_options(table, function="plugins.transforms:scale_pixels", **transform_extra) -> dict:
+    return {"path": str(table), "features": "x", "label": "label", "validation_fraction": 0.25, "partitions": 4,
+            "transform": {"function": function, **transform_extra}}
+
+
+def data_config(table, function="plugins.transforms:scale_pixels", **transform_extra):
+    return data_section(dict(source="parquet", options=data_options(table, function, **transform_extra)))
+
+
+def plan(data, cache_root):
+    return parquet.SOURCE.plan(data, cache_root)
+
+
+def check_unchanged(recorded_root, data, cache_root):
+    plan(data, cache_root).check_unchanged(recorded_root)
 
 
 def input_rows(table) -> dict:
@@ -71,11 +83,11 @@ def test_a_batch_transform_sees_the_partitions_and_its_output_is_streamed(table,
     # Streamed: every training row once per epoch, scaled as the function scaled it.
     by_pixels = {tuple(np.round(p / 16, 5)): digit for p, digit, _ in input_rows(table).values()}
     plan = BatchPlan(global_batch_size=32, world_size=1, rank=0, micro_batch_size=32)
-    stream = external.train_stream(manifest, plan, seed=0)
+    stream = open_stream(manifest, plan, seed=0)
     seen = 0
     for step in range(manifest.rows("train") // 32):
         batch = stream.batch(step)
-        for x, y in zip(batch["x"].numpy(), batch["y"].numpy()):
+        for x, y in zip(batch["x"], batch["y"]):
             assert by_pixels[tuple(np.round(x, 5))] == y
         seen += len(batch["y"])
     assert seen == manifest.rows("train") // 32 * 32
@@ -109,9 +121,9 @@ def test_an_interrupted_preparation_resumes_without_rewriting_finished_files(tab
 def test_a_resumed_preparation_keeps_the_files_written_before(table, tmp_path):
     cache = str(tmp_path / "cache")
     data = data_config(table, run_on="driver")
-    plan = transform.plan(data, cache)
-    first = plan.tasks()[:3]
-    assert all("error" not in r for r in transform.transform_in_driver(first, plan))  # then the driver died
+    planned = plan(data, cache)
+    first = planned.tasks()[:3]
+    assert all("error" not in r for r in transform.transform_in_driver(first, planned))  # then the driver died
     kept = {p: p.stat().st_mtime_ns for p in written(cache)}
     assert len(kept) == 3
     lines = []
@@ -136,12 +148,12 @@ def test_a_changed_function_or_input_gives_another_dataset_and_a_resume_on_it_is
         data = data_config(table, "mytransforms:keep", run_on="driver")
         cache = str(tmp_path / "cache")
         manifest = prepare(data, cache, log=print)
-        transform.check_unchanged(manifest.root, data, cache)  # unchanged: no error
+        check_unchanged(manifest.root, data, cache)  # unchanged: no error
         module.write_text(module.read_text() + "# scaled differently from now on\n")
         sys.modules.pop("mytransforms")
         with pytest.raises(UserError, match="the input data or the transform's module changed"):
-            transform.check_unchanged(manifest.root, data, cache)
-        assert transform.plan(data, cache).root != manifest.root
+            check_unchanged(manifest.root, data, cache)
+        assert plan(data, cache).root != manifest.root
     finally:
         sys.path.remove(str(tmp_path / "code"))
         sys.modules.pop("mytransforms", None)
@@ -149,7 +161,7 @@ def test_a_changed_function_or_input_gives_another_dataset_and_a_resume_on_it_is
     victim = next(table.rglob("*.parquet"))
     os.utime(victim, ns=(10**18, 10**18))
     with pytest.raises(UserError, match="the input data or the transform's module changed"):
-        transform.check_unchanged(manifest.root, data_config(table), cache)
+        check_unchanged(manifest.root, data_config(table), cache)
 
 
 BAD = [
@@ -174,10 +186,10 @@ BAD = [
 @pytest.mark.parametrize("case, change, error, words", BAD, ids=[c[0] for c in BAD])
 def test_bad_transforms_are_refused_naming_the_option_and_file_with_nothing_written(table, tmp_path, case, change, error,
                                                                                      words):
-    data = data_config(table)
-    data = data.model_copy(update={"options": {**data.options, "transform": {**data.options["transform"], **change}}})
+    options = data_options(table)
+    options = {**options, "transform": {**options["transform"], **change}}
     with pytest.raises(error) as raised:
-        prepare(data, str(tmp_path / "cache"), log=print)
+        prepare(data_section(dict(source="parquet", options=options)), str(tmp_path / "cache"), log=print)
     for word in words:
         assert word in str(raised.value), str(raised.value)
     assert written(tmp_path / "cache") == []
@@ -227,9 +239,9 @@ def test_a_run_transforms_on_the_cluster_with_ray_data_and_trains_on_the_output(
     assert any("transformed 8 of 8 files" in line and "on the cluster (Ray Data)" in line for line in lines)
     (root,) = (workdir / "runs" / "datasets").glob("transform-*")
     on_cluster = Manifest.load(str(root))
-    in_driver = prepare(DataConfig(source="parquet", options={**config_lib.load(CONFIGS / "digits.yaml", overrides).data.options,
+    in_driver = prepare(data_section(dict(source="parquet", options={**config_lib.load(CONFIGS / "digits.yaml", overrides).data.options_as_written(),
                                                               "transform": {"function": "plugins.transforms:scale_pixels",
-                                                                            "run_on": "driver"}}),
+                                                                            "run_on": "driver"}})),
                         str(workdir / "again"), log=print)
     assert on_cluster.splits["train"]["rows"] == in_driver.splits["train"]["rows"]
     for path in root.rglob("*.parquet"):  # the same rows, wherever transformed

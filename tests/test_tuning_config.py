@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_probe import run_cases
 from conftest import REPO
+
 from training.checkpoint import format as ckpt
 from training.config import OptimConfig
 from tuning import config as sweep_config

@@ -3,13 +3,13 @@ real MLflow store. More trials than fit at once, so a stopped trial that kept it
 the sweep (each test has a timeout). PBT's exploit: tests/test_pbt_sharded.py."""
 
 import pytest
-from mlflow.tracking import MlflowClient
-
 from conftest import REPO
+from mlflow.tracking import MlflowClient
+from webhook import receiver
+
 from tuning import config as sweep_config
 from tuning.resources import orphaned_groups
 from tuning.sweep import run_sweep
-from webhook import receiver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

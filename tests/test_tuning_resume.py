@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-from mlflow.tracking import MlflowClient
-
 from conftest import REPO, tracked_history
+from mlflow.tracking import MlflowClient
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from training.config import CheckpointConfig, TrainConfig
-from training.worker.policy import Preemption, StepDecision, StepDue, StepPolicy
+from training.failure.restart import Preemption
+from training.worker.policy import StepDecision, StepDue, StepPolicy
 
 # log every 10 steps, evaluate every 30, checkpoint every 50, 120 steps, a report at most every 5 s
 POLICY = StepPolicy(total_steps=120, log_every_n_steps=10, eval_every_n_steps=30, checkpoint_every_n_steps=50,

@@ -1,7 +1,10 @@
-"""The job config: one typed section per component, composed into `JobConfig`.
+"""The job config: one typed section per component, composed into `JobConfig` (the driver; the CLIs).
 
 YAML is validated once, here, at the boundary. Unknown keys and bad values raise `ConfigError`
-naming the dotted path of the field and what is allowed, before anything starts.
+naming the dotted path of the field and what is allowed, before anything starts. The `model` and
+`data` sections are chosen by `model.name` and `data.source` among the members their registries
+hand them (each family's and source's own typed options); `failure.mode` names a failure mode.
+No torch or Ray is imported here.
 """
 
 from __future__ import annotations
@@ -14,53 +17,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 
+from training.data.registry import DataConfig
 from training.errors import ConfigError
+from training.failure.registry import FAILURE_MODES
+from training.models.registry import ModelConfig
+from training.observe.notify import RUN_EVENTS, check_written, shown_url
 from training.redaction import redact_values
-from training.schema import Section, format_validation_error, load_yaml, set_path
-
-
-class ModelConfig(Section):
-    # A built-in model (see training/models) or a plug-in "package.module:function".
-    name: str = "digits_mlp"
-    # Keyword arguments for the model builder; built-ins validate theirs.
-    options: dict[str, Any] = Field(default_factory=dict)
-
-
-def _storage_location(value: Optional[str]) -> Optional[str]:
-    """A local path or a URI with a bucket or host: "" and "s3://" (which would be a local folder
-    named "s3:") are refused here; a scheme pyarrow does not know, when the storage is first tried."""
-    if value is None:
-        return value
-    if not value.strip():
-        raise ValueError("must not be empty: a local path, or a URI such as s3://bucket/prefix")
-    _printable(value)
-    scheme, sep, rest = value.partition("://")
-    if sep and scheme != "file" and not rest.split("/", 1)[0]:
-        raise ValueError(f"{value!r} names no bucket or host: write {scheme}://BUCKET/prefix")
-    if sep and scheme == "file" and not rest:
-        raise ValueError(f"{value!r} names no path: write file:///absolute/path, or the path alone")
-    return value
-
-
-def _printable(value: Optional[str]) -> Optional[str]:
-    """A path or URI with a control character (NUL, a newline) is a typo no filesystem or server takes."""
-    if value is not None and any(ord(char) < 32 or ord(char) == 127 for char in value):
-        raise ValueError(f"{value!r} contains a control character; is it quoted or pasted wrongly?")
-    return value
-
-
-class DataConfig(Section):
-    # A built-in source (digits, tinylm) or a plug-in "package.module:function".
-    source: str = "digits"
-    options: dict[str, Any] = Field(default_factory=dict)
-    # Where prepared Parquet shards are cached; default: <checkpoint.storage_path>/datasets.
-    cache_dir: Optional[str] = None
-    num_shards: int = Field(4, ge=1, le=4096)
-
-    @field_validator("cache_dir")
-    @classmethod
-    def _cache_dir(cls, value):
-        return _storage_location(value)
+from training.schema import Section, format_validation_error, load_yaml, printable, set_path, storage_location
 
 
 class OptimConfig(Section):
@@ -123,6 +86,12 @@ class TrainConfig(Section):
     compile: bool = False
     # A torch.profiler trace of a few steps on rank 0: {steps: [a, b]}.
     profile: Optional[ProfileConfig] = None
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's length in steps, once the data (its steps per epoch) is known."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, int(round(self.epochs * steps_per_epoch)))
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainConfig":
@@ -195,7 +164,7 @@ class FailureConfig(Section):
     # continue: every worker is a torchft replica group; the others keep stepping without it, Ray
     # Train replaces only the lost one, and it takes the live state from a peer (parallel.strategy
     # ddp, a fixed scaling.num_workers >= 2; see README "Continuous training").
-    mode: Literal["restart", "continue"] = "restart"
+    mode: Literal[tuple(FAILURE_MODES)] = "restart"
     # Worker or node failures the run survives (each restart, or each replaced worker, counts one).
     max_failures: int = Field(3, ge=-1)
     # Spot preemptions have their own budget; -1 is unlimited.
@@ -217,14 +186,14 @@ class CheckpointConfig(Section):
     @field_validator("storage_path")
     @classmethod
     def _storage_path(cls, value):
-        return _storage_location(value)
+        return storage_location(value)
 
 
 class NotifyConfig(Section):
     # A webhook: https://... or ${VARIABLE} naming one (resolved when the run starts, never stored).
     url: str
     # The events to post: finished, failed, preempted, restarted (sweeps: finished, failed).
-    on: list[Literal["finished", "failed", "preempted", "restarted"]] = Field(
+    on: list[Literal[RUN_EVENTS]] = Field(
         default_factory=lambda: ["finished", "failed"], min_length=1)
 
     @model_validator(mode="before")
@@ -238,8 +207,6 @@ class NotifyConfig(Section):
     @field_validator("url")
     @classmethod
     def _url(cls, value):
-        from training.observe.notify import check_written
-
         return check_written(value)
 
 
@@ -268,7 +235,7 @@ class TrackingConfig(Section):
     @field_validator("tracking_uri", "cluster_config")
     @classmethod
     def _location(cls, value):
-        return _printable(value)
+        return printable(value)
 
     @field_validator("registered_model_name")
     @classmethod
@@ -293,8 +260,10 @@ class JobConfig(Section):
     name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
     # Seeds the model's initial weights, the data order and every step's random draws.
     seed: int = Field(0, ge=0, lt=2 ** 32)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
+    # A model family (training/models/registry.py) or a plug-in "package.module:function", and its options.
+    model: ModelConfig = Field(default_factory=dict, validate_default=True)
+    # A data source (training/data/registry.py) or a plug-in "package.module:function", and its options.
+    data: DataConfig = Field(default_factory=dict, validate_default=True)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(max_steps=200))
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
@@ -304,47 +273,14 @@ class JobConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _builtin_options(self) -> "JobConfig":
-        # Built-in models and sources validate their options here, so a typo in
-        # model.options fails before anything starts, like any other key.
-        from training.models import validate_builtin_model_options
-        from training.data.sources import validate_builtin_source_options
-
-        validate_builtin_model_options(self.model.name, self.model.options)
-        validate_builtin_source_options(self.data.source, self.data.options)
+    def _consistent(self) -> "JobConfig":
         if self.train.global_batch_size < self.scaling.max_workers:
             raise ConfigError(f"train.global_batch_size ({self.train.global_batch_size}) must be at least "
                               f"scaling.num_workers ({self.scaling.max_workers}): every worker needs samples")
-        problems = continue_mode_problems(self)
-        if problems:
-            raise ConfigError("failure.mode: continue " + "; ".join(problems) + ". " + CONTINUE_SUPPORTED)
+        refusal = FAILURE_MODES[self.failure.mode].refuses(self)
+        if refusal:
+            raise ConfigError(refusal)
         return self
-
-
-# What failure.mode continue serves, said whenever a job asks it for something else.
-CONTINUE_SUPPORTED = ("It serves parallel.strategy ddp with a fixed scaling.num_workers of 2 or more and "
-                      "failure.max_failures of 1 or more (or -1); use failure.mode: restart otherwise")
-
-
-def continue_mode_problems(job: "JobConfig") -> list[str]:
-    """Why `failure.mode: continue` cannot serve this job (empty: it can, or the mode is restart)."""
-    if job.failure.mode != "continue":
-        return []
-    problems = []
-    if job.parallel.strategy != "ddp":
-        # torchft's HSDP path (a replica group sharding with FSDP inside) is not wired into the loop.
-        problems.append(f"needs parallel.strategy ddp, not {job.parallel.strategy} (each worker must hold a "
-                        "full replica to heal a peer)")
-    if not isinstance(job.scaling.num_workers, int):
-        # Ray 2.60 replaces one replica group only at a fixed size; a resize restarts every group.
-        problems.append(f"needs a fixed scaling.num_workers, not the elastic range {list(job.scaling.num_workers)}")
-    elif job.scaling.num_workers < 2:
-        problems.append(f"needs scaling.num_workers of 2 or more, not {job.scaling.num_workers} (with one "
-                        "worker there is no peer to keep training or to heal from)")
-    if job.failure.max_failures == 0:
-        problems.append("needs failure.max_failures of 1 or more, or -1 (each replaced worker counts one "
-                        "failure; with 0 the first dead worker ends the run)")
-    return problems
 
 
 # Fields that define what a run computes: resuming a run with any of them changed is refused. A run
@@ -427,8 +363,6 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
 def shown(config: JobConfig) -> dict:
     """The config as it may be shown and stored: passwords in URIs masked, webhook URLs as written
     when they reference variables, else masked (training.observe.notify.shown_url)."""
-    from training.observe.notify import shown_url
-
     dumped = redact_values(config.model_dump(mode="json"))
     for target in dumped["tracking"]["notify"]:
         target["url"] = shown_url(target["url"])

@@ -9,19 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from training.errors import UserError
+from training.errors import UserError, one_line
 
 _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def is_import_string(name: str) -> bool:
     return ":" in name
-
-
-def one_line(exc: BaseException) -> str:
-    """`Type: first line of the message`, the way a plug-in's failure is shown (no traceback)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 def load_callable(spec: str, field: str) -> Callable:

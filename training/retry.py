@@ -8,14 +8,9 @@ import time
 from typing import Callable, TypeVar
 
 from training.backoff import RetryPolicy
-from training.redaction import redact
+from training.errors import first_line
 
 T = TypeVar("T")
-
-
-def first_line(exc: BaseException) -> str:
-    """An error's first line for a message (secrets in it redacted), or its type's name."""
-    return redact(str(exc).splitlines()[0][:200]) if str(exc) else type(exc).__name__
 
 
 class Retrier:
@@ -41,6 +36,6 @@ class Retrier:
                 if delay is None:
                     raise self.give_up(what, self.failures, elapsed, exc) from exc
                 self.log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s used)", what,
-                                 first_line(exc), self.failures, self.policy.attempts - 1, delay, elapsed,
+                                 first_line(exc, 200), self.failures, self.policy.attempts - 1, delay, elapsed,
                                  self.policy.budget_s)
                 self.sleep(delay)

@@ -8,10 +8,13 @@ validate its options here without importing the job config that composes them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, field_serializer
+
+from training.plugins import is_import_string
 
 
 class Section(BaseModel):
@@ -19,6 +22,81 @@ class Section(BaseModel):
     values frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def printable(value: Optional[str]) -> Optional[str]:
+    """A path or URI with a control character (NUL, a newline) is a typo no filesystem or server takes."""
+    if value is not None and any(ord(char) < 32 or ord(char) == 127 for char in value):
+        raise ValueError(f"{value!r} contains a control character; is it quoted or pasted wrongly?")
+    return value
+
+
+def storage_location(value: Optional[str]) -> Optional[str]:
+    """A local path or a URI with a bucket or host: "" and "s3://" (which would be a local folder
+    named "s3:") are refused here; a scheme pyarrow does not know, when the storage is first tried."""
+    if value is None:
+        return value
+    if not value.strip():
+        raise ValueError("must not be empty: a local path, or a URI such as s3://bucket/prefix")
+    printable(value)
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme != "file" and not rest.split("/", 1)[0]:
+        raise ValueError(f"{value!r} names no bucket or host: write {scheme}://BUCKET/prefix")
+    if sep and scheme == "file" and not rest:
+        raise ValueError(f"{value!r} names no path: write file:///absolute/path, or the path alone")
+    return value
+
+
+class OptionsSection(Section):
+    """A section whose `options` are its component's own typed model (each member of a chosen field
+    declares its type): stored and shown as the user wrote them, defaults not filled in. That form
+    is what a run's identity, a prepared dataset's key, the stored config and MLflow's params are
+    made of, so a default that changes between versions does not make a run another run. (Each
+    subclass declares `options` after its choosing key: the order a config is shown in.)"""
+
+    @field_serializer("options", check_fields=False)
+    def _as_written(self, options: Any):
+        return options.model_dump(mode="json", exclude_unset=True) if isinstance(options, BaseModel) else options
+
+    def options_as_written(self) -> Any:
+        return self.model_dump(mode="json", include={"options"})["options"]
+
+
+# The tag of a chosen field's plug-in member (an import string "package.module:function").
+PLUGIN = "plugin"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a config field chosen by one of its keys (`data.source`, `model.name`) is made of: the
+    members a registry hands it, by name, and the plug-in member for import strings. Kept in the
+    field's type, so that an error message can name the field's own path and what is allowed."""
+
+    key: str  # the key that chooses: "source", "name"
+    noun: str  # what the key names, in messages: "source", "model"
+    members: tuple[tuple[str, type], ...]  # (tag, section type), built-ins first, in the registry's order
+
+    def member(self, tag: str) -> Optional[type]:
+        return dict(self.members).get(tag)
+
+    def unknown(self, name: Any) -> str:
+        builtins = ", ".join(tag for tag, _ in self.members if tag != PLUGIN)
+        return f"unknown {self.noun} {name!r}; built-in: {builtins}, or a plug-in 'package.module:function'"
+
+
+def chosen_by(key: str, noun: str, default: str, members: dict[str, type[BaseModel]], plugin: type[BaseModel]):
+    """The type of a config field that holds one of `members` (each a section whose `key` is its
+    name), or `plugin` when `key` is an import string: a discriminated union, validated once."""
+
+    def tag(value: Any) -> str:
+        name = value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
+        if isinstance(name, str) and is_import_string(name):
+            return PLUGIN
+        return name if isinstance(name, str) else repr(name)
+
+    tagged = tuple(Annotated[member, Tag(name)] for name, member in {**members, PLUGIN: plugin}.items())
+    return Annotated[Union[tagged], Discriminator(tag),
+                     Choice(key, noun, tuple({**members, PLUGIN: plugin}.items()))]
 
 
 def set_path(raw: dict, dotted: str, value: Any) -> dict:
@@ -51,36 +129,61 @@ def format_validation_error(error: ValidationError, prefix: str = "", root: Opti
     (under `root`, the model the dotted paths start from)."""
     lines = []
     for item in error.errors():
-        loc = [str(part) for part in item["loc"] if not str(part).startswith("function-after")]
-        path = ".".join(filter(None, [prefix, *loc])) or "(top level)"
+        loc = [part for part in item["loc"] if not str(part).startswith("function-after")]
+        parts, model, choice = _walk(loc, root)
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "unknown key"
-            allowed = _allowed_keys(loc, root) if root is not None else []
+            allowed = sorted(getattr(model, "model_fields", {})) if model is not None else []
             if allowed:
                 message += f"; allowed: {', '.join(allowed)}"
+        elif item["type"] == "union_tag_invalid" and choice is not None:
+            parts, message = [*parts, choice.key], choice.unknown(item["ctx"]["tag"])
         elif item["type"] == "value_error":
             message = message.removeprefix("Value error, ")
         elif item["type"] == "literal_error":
             message = message.replace("Input should be", "must be")
+        path = ".".join(filter(None, [prefix, *parts])) or "(top level)"
         lines.append(f"  {path}: {message}")
     return "\n".join(lines)
 
 
-def _allowed_keys(loc: list[str], root: type[BaseModel]) -> list[str]:
-    model: Any = root
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
+def _walk(loc: list, root: Optional[type[BaseModel]]) -> tuple[list[str], Any, Optional[Choice]]:
+    """The dotted parts of an error's location under `root`, without the tags pydantic adds for a
+    chosen field's member; the model its last part is a key of (None if unknown); and the Choice
+    of the chosen field the location ends at, if it ends at one."""
+    parts: list[str] = []
+    model: Any = root  # the model the next part is a key of
+    owner, choice = root, None
+    index = 0
+    while index < len(loc):
+        part = loc[index]
+        index += 1
+        parts.append(str(part))
+        owner, choice = model, None
+        field = getattr(model, "model_fields", {}).get(part) if isinstance(part, str) else None
         if field is None:
-            return []
-        annotation = field.annotation
-        for candidate in getattr(annotation, "__args__", (annotation,)):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                model = candidate
-                break
+            model = None if isinstance(part, str) else model  # (a list index keeps the item's model)
+            continue
+        choice = next((meta for meta in field.metadata if isinstance(meta, Choice)), None)
+        if choice is not None and index < len(loc):  # the member's tag, which the user never wrote
+            model, choice = choice.member(loc[index]), None
+            index += 1
         else:
-            return []
-    return sorted(getattr(model, "model_fields", {}))
+            model = _model_in(field.annotation)
+    return parts, owner, choice
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model a field's values are (directly, optionally, or as list items)."""
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+        inner = getattr(candidate, "__args__", ())
+        found = next((c for c in inner if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if found is not None:
+            return found
+    return None
 
 
 # A config file is small: a document that expands (through YAML aliases) past this many values is

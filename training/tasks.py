@@ -1,4 +1,10 @@
-"""What a task computes from a batch: summed loss, the units it sums over, and correct predictions.
+"""What a model learns from the data (the task), defined once: the prepared data's columns and their
+dtypes, what the model is given and what it must return, the loss, the validation metrics, and the
+shape of a sample for the driver's checks. A data source says which task its data serves, a model
+family which tasks it can learn; the driver checks that they agree, the workers compute the loss.
+
+Imported by the driver's config checks and by the workers. Torch is imported inside the methods
+that compute, not here: a config is checked (and refused) without loading it.
 
 Losses are sums, not means, so a global batch split unevenly across workers and micro-batches
 still yields exactly the mean over the global batch (see the loop's loss scaling).
@@ -7,36 +13,110 @@ still yields exactly the mean over the global batch (see the loop's loss scaling
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
-import torch
-import torch.nn.functional as F
-
-from training.metrics import VALIDATION_METRICS
-
-
-def units_per_sample(task: str, spec: dict) -> int:
-    return spec["seq_len"] if task == "language_model" else 1
+from training.metrics import VAL_ACCURACY, VAL_LOSS, VAL_PERPLEXITY, VAL_TOKEN_ACCURACY
 
 
-def model_input(task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return batch["x"] if task == "classification" else batch["tokens"][:, :-1]
+def logits_of(output: Any):
+    """A model's logits: its forward's tensor, or the `.logits` of the object it returns (a Hugging
+    Face `ModelOutput`, a plug-in's dataclass)."""
+    logits = getattr(output, "logits", output)
+    if not hasattr(logits, "shape"):
+        raise TypeError(f"forward returns {type(output).__name__}, not a tensor of logits or an object with .logits")
+    return logits
 
 
-def forward_loss(task: str, model, batch: dict[str, torch.Tensor],
-                 count_correct: bool = False) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """Summed loss, units, and (for evaluation) correct predictions; training skips the argmax."""
-    if task == "classification":
-        logits, targets = model(batch["x"]), batch["y"]
-    else:
-        logits, targets = model(batch["tokens"][:, :-1]), batch["tokens"][:, 1:]
+@dataclass(frozen=True)
+class Task:
+    name: str
+    # The prepared data's columns, as the workers receive them: name -> numpy dtype.
+    columns: tuple[tuple[str, str], ...]
+    validation_metrics: tuple[str, ...]
+    # The data's description a model is built for (training.data: SourceData.spec, Manifest.spec).
+    spec_keys: tuple[str, str]
+
+    def inputs_and_targets(self, batch: dict):
+        raise NotImplementedError
+
+    def units_per_sample(self, spec: dict) -> int:
+        """What the loss is summed over, per sample: 1 (a label) or seq_len (a token each)."""
+        raise NotImplementedError
+
+    def tokens_per_sample(self, spec: dict) -> Optional[int]:
+        """Tokens per sample, for tokens/s and MFU; None where the data is not tokens."""
+        return None
+
+    def sample(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype name) of the model's input for `rows` rows of the data."""
+        raise NotImplementedError
+
+    def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        """(shape, what sizes it) of the logits a model must return for `rows` rows."""
+        raise NotImplementedError
+
+    def model_input(self, batch: dict):
+        return self.inputs_and_targets(batch)[0]
+
+    def forward_loss(self, model, batch: dict, count_correct: bool = False):
+        """Summed loss, units, and (for evaluation) correct predictions; training skips the argmax."""
+        import torch.nn.functional as F  # (torch, not at import: the config path does not load it)
+
+        inputs, targets = self.inputs_and_targets(batch)
+        logits = logits_of(model(inputs))
         logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
-    correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else None
-    return loss_sum, targets.numel(), correct
+        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else None
+        return loss_sum, targets.numel(), correct
+
+    def metrics_of(self, loss_sum: float, units: float, correct: float) -> dict[str, float]:
+        loss, accuracy = loss_sum / max(units, 1), correct / max(units, 1)
+        values = {VAL_LOSS: loss, VAL_ACCURACY: accuracy, VAL_PERPLEXITY: math.exp(min(loss, 50.0)),
+                  VAL_TOKEN_ACCURACY: accuracy}
+        return {name: values[name] for name in self.validation_metrics}
 
 
-def validation_metrics(task: str, loss_sum: float, units: float, correct: float) -> dict[str, float]:
-    loss, accuracy = loss_sum / max(units, 1), correct / max(units, 1)
-    values = {"val_loss": loss, "val_accuracy": accuracy, "val_perplexity": math.exp(min(loss, 50.0)),
-              "val_token_accuracy": accuracy}
-    return {name: values[name] for name in VALIDATION_METRICS[task]}
+class Classification(Task):
+    """One label per row: features `x` (a fixed-length float vector), label `y`."""
+
+    def inputs_and_targets(self, batch: dict):
+        return batch["x"], batch["y"]
+
+    def units_per_sample(self, spec: dict) -> int:
+        return 1
+
+    def sample(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["input_dim"]), "float32"
+
+    def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
+
+
+class LanguageModel(Task):
+    """Next-token prediction: `tokens`, seq_len + 1 ids per row; the model sees the first seq_len
+    and predicts each next one."""
+
+    def inputs_and_targets(self, batch: dict):
+        tokens = batch["tokens"]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def units_per_sample(self, spec: dict) -> int:
+        return spec["seq_len"]
+
+    def tokens_per_sample(self, spec: dict) -> Optional[int]:
+        return spec["seq_len"]
+
+    def sample(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["seq_len"]), "int64"
+
+    def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["seq_len"], spec["vocab_size"]), f"vocab_size {spec['vocab_size']}"
+
+
+CLASSIFICATION = Classification("classification", (("x", "float32"), ("y", "int64")), (VAL_LOSS, VAL_ACCURACY),
+                                ("input_dim", "num_classes"))
+LANGUAGE_MODEL = LanguageModel("language_model", (("tokens", "int64"),),
+                               (VAL_LOSS, VAL_PERPLEXITY, VAL_TOKEN_ACCURACY), ("vocab_size", "seq_len"))
+TASKS = {task.name: task for task in (CLASSIFICATION, LANGUAGE_MODEL)}
+ALL_VALIDATION_METRICS = tuple(dict.fromkeys(m for task in TASKS.values() for m in task.validation_metrics))

@@ -10,6 +10,10 @@ import argparse
 import sys
 from typing import Optional
 
+from training.errors import UserError, exit_code
+from tuning import config as sweep_config
+from tuning.sweep import run_sweep
+
 EPILOG = """\
 examples:
   python -m tuning tuning/sweeps/digits_asha.yaml
@@ -37,8 +41,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
-    from training.errors import UserError, exit_code
-    from tuning import config as sweep_config
 
     try:
         sweep = sweep_config.load(args.sweep, args.overrides, args.name)
@@ -47,7 +49,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(f"sweep {sweep.name}: {sweep.config.num_samples} sample(s) of "
           + ", ".join(f"{path} ~ {dim.describe()}" for path, dim in sweep.space.items()), flush=True)
-    from tuning.sweep import run_sweep
 
     def sweep_and_report() -> None:
         summary = run_sweep(sweep)

@@ -15,10 +15,13 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError
 
 from training import config as config_lib
+from training import storage
 from training.config import JobConfig, ScalingConfig
 from training.errors import ConfigError
+from training.run.paths import base_dir
+from training.run.preflight import check_cluster_config
 from training.schema import Section, format_validation_error, set_path
-from training.metrics import ALL_VALIDATION_METRICS
+from training.tasks import ALL_VALIDATION_METRICS
 from tuning.space import FIXED_PREFIXES, PBT_FIXED_FIELDS, PBT_FIXED_PREFIXES, Dimension, flatten_space
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -119,9 +122,6 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     base_raw, base = _load_base(sweep, path)
     space = _check_space(sweep, base_raw)
     if base.tracking.cluster_config:  # trials price themselves by it at their end: refused now if unusable
-        from training import storage
-        from training.run.paths import base_dir
-        from training.run.preflight import check_cluster_config
 
         check_cluster_config(storage.absolute(base.tracking.cluster_config, base_dir()))
     return Sweep(config=sweep, name=final_name, space=space, base_raw=base_raw, base=base)

@@ -15,16 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import ray.train
 import yaml
 
 from training import config as config_lib
 from training import storage
 from training.adaptors.ray_private import result_grid_trials
 from training.redaction import redact, redact_values
-from training.run.record import RunRecord
-from training.tracking.tracker import NullTracker, fluent_mlflow
+from training.run.finalize import load_final_model, log_model, registered_model_name
+from training.run.paths import artifact_location
+from training.run.record import Record
+from training.tracking.tracker import MlflowTracker, NullTracker, fluent_mlflow
 from tuning.config import Sweep
-from tuning.trial import SWEEP_TAG, TRIAL_TAG
+from tuning.schedule import absolute_base
+from tuning.trial import SWEEP_TAG, TRIAL_TAG, TrialSetup, trial_job
 
 
 @dataclass
@@ -42,9 +46,7 @@ class TrialRow:
     checkpoint_path: Optional[str] = None
 
 
-def start_parent(sweep: Sweep, paths, state: Optional[RunRecord]):
-    from training.run.paths import artifact_location
-    from training.tracking.tracker import MlflowTracker
+def start_parent(sweep: Sweep, paths, state: Optional[Record]):
 
     if paths.tracking_uri is None:
         return NullTracker()
@@ -106,7 +108,7 @@ def best_row(sweep: Sweep, rows: list[TrialRow]) -> Optional[TrialRow]:
     return pick(scored, key=lambda r: r.last)
 
 
-def finish(sweep: Sweep, paths, manifest, grid, parent, state: RunRecord, summary, log) -> None:
+def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, log) -> None:
     rows = trial_rows(sweep, grid, paths)
     summary.rows, summary.best = rows, best_row(sweep, rows)
     for row in rows:
@@ -138,9 +140,6 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: RunRecord, summar
             client.log_artifact(parent.run_id, str(plot), "plots")
         best = summary.best
         if best is not None:
-            from tuning.trial import trial_job
-            from tuning.schedule import absolute_base
-            from tuning.trial import TrialSetup
 
             setup = TrialSetup(sweep.name, absolute_base(sweep, paths), paths.base_dir, paths.tracking_uri,
                                sweep.base.tracking.experiment, parent.run_id, False)
@@ -163,10 +162,8 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: RunRecord, summar
 def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[dict]:
     """Register the best trial's logged model; a trial stopped before the end has none: log it from
     its last checkpoint first."""
-    import mlflow
+    import mlflow  # (lazy: mlflow)
 
-    from training.run.finalize import load_final_model, log_model, registered_model_name
-    from training.tracking.tracker import MlflowTracker
 
     client = parent.client
     name = registered_model_name(sweep.base)
@@ -178,7 +175,6 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
         with fluent_mlflow(parent.tracking_uri):
             version = mlflow.register_model(logged[0].model_uri, name).version
     elif best.checkpoint_path:
-        import ray.train
 
         fs, path = storage.filesystem(best.checkpoint_path)
         model = load_final_model(job, manifest, ray.train.Checkpoint(path, filesystem=fs))
@@ -206,10 +202,10 @@ def _write_table(sweep: Sweep, rows: list[TrialRow], path: Path) -> None:
 
 
 def _plots(sweep: Sweep, rows: list[TrialRow], folder: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # (lazy: matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (lazy: matplotlib)
 
     metric, written = sweep.config.metric, []
     fig, axis = plt.subplots(figsize=(8, 5))

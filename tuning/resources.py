@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from training.adaptors.ray_private import NIL_ACTOR, placement_group_removed_state, placement_groups
 from training.config import JobConfig
 from training.run.resources import WorkerResources
 
@@ -99,7 +104,6 @@ def describe(resources: dict) -> str:
 def orphaned_groups(job_id: str) -> list[str]:
     """Placement groups of this job whose creating actor is dead and which Ray has not removed.
     Groups made by the driver itself (Tune's trial groups: no creating actor) are never included."""
-    from training.adaptors.ray_private import NIL_ACTOR, placement_group_removed_state, placement_groups
 
     removed = placement_group_removed_state()
     found = []
@@ -112,8 +116,6 @@ def orphaned_groups(job_id: str) -> list[str]:
 
 
 def release_orphaned_groups(job_id: str) -> list[str]:
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     released = []
     for group_id in orphaned_groups(job_id):
@@ -126,7 +128,6 @@ def release_orphaned_groups(job_id: str) -> list[str]:
 
 
 def _current_job_id() -> str:
-    import ray
 
     return ray.get_runtime_context().get_job_id()
 
@@ -150,7 +151,6 @@ class ReleaseStoppedTrials(_TuneCallback):
         self._last = 0.0
 
     def _release(self) -> None:
-        import time
 
         self._last = time.monotonic()
         freed = release_orphaned_groups(_current_job_id())
@@ -159,7 +159,6 @@ class ReleaseStoppedTrials(_TuneCallback):
         ReleaseStoppedTrials.total_released += len(freed)
 
     def on_step_end(self, iteration, trials, **info):
-        import time
 
         if time.monotonic() - self._last >= self.every_s:
             self._release()

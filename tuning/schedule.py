@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 from training import storage
-from tuning.config import Sweep
 from training.config import without_notify
 from training.schema import set_path
+from tuning.config import Sweep
 from tuning.space import pbt_mutations, tune_param_space
 
 # Trials report the training step with every result; schedulers count in steps.
@@ -29,7 +29,7 @@ def param_space(sweep: Sweep) -> dict:
 
 
 def tune_config(sweep: Sweep, max_concurrent_trials: int):
-    from ray import tune
+    from ray import tune  # (lazy: ray)
 
     cfg = sweep.config
     return tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
@@ -40,12 +40,12 @@ def tune_config(sweep: Sweep, max_concurrent_trials: int):
 def _search(sweep: Sweep, max_concurrent_trials: int):
     cfg = sweep.config.search
     if cfg.algorithm == "optuna":
-        import optuna
-        from ray.tune.search.optuna import OptunaSearch
+        import optuna  # (lazy: optuna)
+        from ray.tune.search.optuna import OptunaSearch  # (lazy: ray.tune)
 
         return OptunaSearch(space=tune_param_space(sweep.space, "optuna"), metric=sweep.config.metric,
                             mode=sweep.config.mode, sampler=optuna.samplers.TPESampler(seed=cfg.seed))
-    from ray.tune.search.basic_variant import BasicVariantGenerator
+    from ray.tune.search.basic_variant import BasicVariantGenerator  # (lazy: ray.tune)
 
     return BasicVariantGenerator(random_state=cfg.seed, max_concurrent=max_concurrent_trials)
 
@@ -53,18 +53,18 @@ def _search(sweep: Sweep, max_concurrent_trials: int):
 def _scheduler(sweep: Sweep):
     cfg = sweep.config.scheduler
     if cfg.name == "asha":
-        from ray.tune.schedulers import ASHAScheduler
+        from ray.tune.schedulers import ASHAScheduler  # (lazy: ray.tune)
 
         return ASHAScheduler(time_attr=TIME_ATTR, grace_period=cfg.grace_period_steps,
                              reduction_factor=cfg.reduction_factor, max_t=_max_steps(sweep))
     if cfg.name == "pbt":
-        from ray.tune.schedulers import PopulationBasedTraining
+        from ray.tune.schedulers import PopulationBasedTraining  # (lazy: ray.tune)
 
         return PopulationBasedTraining(time_attr=TIME_ATTR, perturbation_interval=cfg.perturbation_interval_steps,
                                        hyperparam_mutations=pbt_mutations(sweep.space),
                                        quantile_fraction=cfg.quantile_fraction,
                                        resample_probability=cfg.resample_probability, synch=cfg.synch)
-    from ray.tune.schedulers import FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler  # (lazy: ray.tune)
 
     return FIFOScheduler()
 

@@ -103,7 +103,7 @@ def plain(value: Any) -> Any:
 
 
 def tune_param_space(space: dict[str, Dimension], algorithm: str) -> dict[str, Any]:
-    from ray import tune
+    from ray import tune  # (lazy: ray)
 
     def domain(dim: Dimension):
         if dim.kind == "uniform":
@@ -121,7 +121,7 @@ def tune_param_space(space: dict[str, Dimension], algorithm: str) -> dict[str, A
 
 def pbt_mutations(space: dict[str, Dimension]) -> dict[str, Any]:
     """PBT resamples from the same distributions (lists for choices: it may also step to a neighbour)."""
-    from ray import tune
+    from ray import tune  # (lazy: ray)
 
     mutations = {}
     for path, dim in space.items():

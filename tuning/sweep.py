@@ -12,9 +12,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from training import storage
-from training.errors import UserError
+from training.errors import UserError, first_line
+from training.observe import notify
+from training.observe.notify import mlflow_run_url, sweep_message
+from training.observe.webhook import Notifier
+from training.run import preflight
+from training.run.driver import plugin_specs
 from training.run.paths import resolve_paths
-from training.run.record import RunRecord
+from training.run.record import Record
+from training.run.resources import maximum_resources, worker_resources
+from training.run.session import check_cluster_to_join, ray_session
+from tuning import schedule
 from tuning.config import Sweep
 
 STATE_FILE = "sweep.json"
@@ -39,14 +47,12 @@ def sweep_dir(sweep: Sweep) -> str:
     return storage.join(resolve_paths(sweep.base, sweep.name).storage_path, "sweeps", sweep.name)
 
 
-def read_state(sweep: Sweep) -> Optional[RunRecord]:
-    return RunRecord.read(storage.join(sweep_dir(sweep), STATE_FILE), sweep.name, f"sweep storage {sweep_dir(sweep)}")
+def read_state(sweep: Sweep) -> Optional[Record]:
+    return Record.read(storage.join(sweep_dir(sweep), STATE_FILE), sweep.name, f"sweep storage {sweep_dir(sweep)}")
 
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
-    from training.observe import notify
-    from training.run import preflight
 
     started = time.monotonic()
     # The base job's webhooks are the sweep's (its trials do not post); a variable not set: exit 2 now.
@@ -61,8 +67,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
         preflight.check_storage(paths)
 
     manifest = preflight.prepare_checked(sweep.base.data, paths, check, log)
-    from training.run.session import check_cluster_to_join
-    from tuning import report
+    from tuning import report  # (lazy: ray.train, torch)
 
     check_cluster_to_join()  # (a RAY_ADDRESS where nothing answers: refused before the parent run exists)
 
@@ -70,7 +75,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     path = sweep_dir(sweep)
     state_uri = storage.join(path, STATE_FILE)
     if state is None:
-        state = RunRecord(sweep.name, sweep.identity(), parent.run_id, paths.tracking_uri)
+        state = Record(sweep.name, sweep.identity(), parent.run_id, paths.tracking_uri)
         state.write(state_uri)
     log(f"sweep {sweep.name}: {'resuming' if _started(path) else 'starting'}; storage {path}")
     summary = SweepSummary(name=sweep.name, path=path, parent_run_id=parent.run_id, tracking_uri=paths.tracking_uri)
@@ -92,9 +97,6 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
 def _notify(sweep: Sweep, summary: SweepSummary, parent, targets, event: str, log, error: Optional[str] = None) -> None:
     """Post the sweep's end (trial counts, the best trial, the parent MLflow run) to the webhooks
     subscribed to it; a webhook that fails only warns."""
-    from training.observe.notify import mlflow_run_url, sweep_message
-    from training.observe.webhook import Notifier
-    from training.redaction import redact
 
     notifier = Notifier(targets, warn=log)
     if not notifier.wants(event):
@@ -109,7 +111,7 @@ def _notify(sweep: Sweep, summary: SweepSummary, parent, targets, event: str, lo
         except Exception:
             pass
     body = sweep_message(event, sweep.name, counts=counts, metric=sweep.config.metric, mlflow_run_id=parent.run_id,
-                         mlflow_url=url, error=redact(error.splitlines()[0])[:500] if error else None,
+                         mlflow_url=url, error=first_line(error, 500) if error else None,
                          best={"trial_id": best.trial_id, "run": best.run, "value": best.last, "steps": best.steps,
                                "params": {k: str(v) for k, v in best.params.items()}} if best else None)
     notifier.notify(event, body)
@@ -120,14 +122,11 @@ def _started(path: str) -> bool:
 
 
 def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
-    import ray
-    from ray import tune
+    import ray  # (lazy: ray)
+    from ray import tune  # (lazy: ray)
 
-    from training.run.driver import plugin_specs
-    from training.run.resources import maximum_resources, worker_resources
-    from training.run.session import ray_session
-    from tuning import resources, schedule
-    from tuning.trial import TrialSetup, train_trial
+    from tuning import resources  # (Ray, and its placement groups)
+    from tuning.trial import TrialSetup, train_trial  # (lazy: ray.train, torch)
 
     largest = maximum_resources()  # None: no launcher config on this machine
     # Save the sweep's state often: a driver that dies resumes from it (it is small).

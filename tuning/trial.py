@@ -16,12 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import pyarrow.fs as pafs
 import ray.train
+from ray import tune
+from ray.util.queue import Empty, Queue
 
 from training import config as config_lib
+from training import storage
 from training.config import JobConfig
-from tuning import exploit
+from training.run.driver import run_training
+from training.run.paths import resolve_paths
 from training.schema import set_path
+from tuning import exploit
 from tuning.space import plain
 
 TRIAL_TAG, SWEEP_TAG = "tune.trial_id", "tune.sweep"
@@ -70,7 +76,7 @@ def find_child_run(setup: TrialSetup, trial_id: str) -> Optional[str]:
     """The trial's MLflow run if one exists (a restarted trial, or a PBT exploit's new training run)."""
     if setup.tracking_uri is None or setup.parent_run_id is None:
         return None
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
     client = MlflowClient(setup.tracking_uri)
     experiment = client.get_experiment_by_name(setup.experiment)
@@ -81,10 +87,7 @@ def find_child_run(setup: TrialSetup, trial_id: str) -> Optional[str]:
 
 def train_trial(params: dict, setup: TrialSetup) -> None:
     """Tune's function trainable."""
-    from ray import tune
-    from ray.util.queue import Empty, Queue
 
-    from training.run.driver import run_training
 
     os.environ["TRAINING_BASE_DIR"] = setup.base_dir  # Tune moved the working directory into the trial's
     trial_id = tune.get_context().get_trial_id()
@@ -134,7 +137,6 @@ def train_trial(params: dict, setup: TrialSetup) -> None:
 
 
 def _report(item: dict, run_name: str, trial_id: str) -> None:
-    from ray import tune
 
     metrics = {k: v for k, v in item["metrics"].items() if isinstance(v, (int, float, str))}
     metrics["training_run"] = run_name
@@ -150,14 +152,11 @@ def _report(item: dict, run_name: str, trial_id: str) -> None:
 def _seed_checkpoint(job: JobConfig, tune_checkpoint) -> str:
     """The donor's checkpoint rebased onto this trial's hyperparameters, where this trial's workers
     can read it (next to the run's own checkpoints)."""
-    from training import storage
-    from training.run.paths import resolve_paths
 
     run_dir = resolve_paths(job, job.name).run_dir
     seed_uri = storage.join(run_dir, "seed")
     if storage.exists(seed_uri):  # the trial restarted before its first checkpoint: same seed
         return seed_uri
-    import pyarrow.fs as pafs
 
     with tune_checkpoint.as_directory() as donor, tempfile.TemporaryDirectory() as tmp:
         exploit.rebase(donor, Path(tmp) / "seed", job.optim)

@@ -20,8 +20,8 @@ def host_creds(client):
 
 def rest_once(creds, method: str, endpoint: str, timeout_s: float, message=None, params=None):
     """One REST request, no retries; raises MlflowException (with an HTTP status) on an error answer."""
-    from mlflow.utils.proto_json_utils import message_to_json
-    from mlflow.utils.rest_utils import http_request, verify_rest_response
+    from mlflow.utils.proto_json_utils import message_to_json  # (lazy: mlflow)
+    from mlflow.utils.rest_utils import http_request, verify_rest_response  # (lazy: mlflow)
 
     kwargs = {"json": json.loads(message_to_json(message))} if message is not None else {"params": params}
     response = http_request(creds, endpoint, method, max_retries=0, backoff_factor=0, timeout=timeout_s, **kwargs)
@@ -29,14 +29,14 @@ def rest_once(creds, method: str, endpoint: str, timeout_s: float, message=None,
 
 
 def log_batch_message(run_id: str, metrics: list):
-    from mlflow.protos.service_pb2 import LogBatch
+    from mlflow.protos.service_pb2 import LogBatch  # (lazy: mlflow)
 
     return LogBatch(run_id=run_id, metrics=[m.to_proto() for m in metrics])
 
 
 def update_run_message(run_id: str, status: str, end_time_ms: int):
-    from mlflow.entities import RunStatus
-    from mlflow.protos.service_pb2 import UpdateRun
+    from mlflow.entities import RunStatus  # (lazy: mlflow)
+    from mlflow.protos.service_pb2 import UpdateRun  # (lazy: mlflow)
 
     return UpdateRun(run_id=run_id, run_uuid=run_id, status=RunStatus.from_string(status), end_time=end_time_ms)
 
@@ -45,15 +45,15 @@ def node_monitor_classes() -> list[tuple[str, type]]:
     """MLflow's system-metric monitors for a node (CPU and memory, disk, network): each has
     `collect_metrics`, `aggregate_metrics` and `clear_metrics`, and names its metrics as MLflow's
     System metrics tab shows them (training/observe/system.py samples with them on workers)."""
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor  # (lazy: mlflow)
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor  # (lazy: mlflow)
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor  # (lazy: mlflow)
 
     return [("cpu", CPUMonitor), ("disk", DiskMonitor), ("network", NetworkMonitor)]
 
 
 def gpu_monitor_class() -> type:
     """MLflow's GPU monitor (NVML through nvidia-ml-py); constructing it fails without a GPU."""
-    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor  # (lazy: mlflow)
 
     return GPUMonitor

@@ -46,6 +46,7 @@ from typing import Any, Optional
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 
 from training.redaction import redact_values
 
@@ -99,9 +100,8 @@ def save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: to
                  metrics: dict) -> None:
     """Every worker calls this at once (it is a collective), each with its own local directory:
     each writes its shard there, rank 0 also the manifest, train_state.pt and, last, meta.json."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # (lazy: torch.distributed.checkpoint)
 
     directory = Path(directory)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -171,7 +171,9 @@ def has_sharded_layout(directory: str | Path) -> bool:
 def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Every worker calls this at once: load its part of the model and optimizer (re-sharded to the
     current world size) in place; returns the scheduler state, loop state and config."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
+
+    # (lazy: torch.distributed.checkpoint)
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     directory = Path(directory)
@@ -193,7 +195,7 @@ def load_model_state(directory: str | Path, model: torch.nn.Module) -> dict[str,
     unsharded instance of the same architecture, gives the keys and shapes."""
     if not has_sharded_layout(directory):
         return load(directory)["model"]
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
 
     state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=Path(directory), no_dist=True)
@@ -333,8 +335,8 @@ def _rebase_param_groups(groups: list[dict], optim) -> None:
 def _rebase_shards(source: Path, destination: Path, optim) -> list[dict]:
     """The model and optimizer of a sharded checkpoint, with its param_groups rebased, written to
     `destination` as one shard (and its manifest); returns the rebased param_groups."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # (lazy: torch.distributed.checkpoint)
 
     # The whole state as DCP flattened it ("model.<name>", "optimizer.state.<name>.exp_avg",
     # "optimizer.param_groups.0.lr", ...), into a template made from the manifest alone: a tensor

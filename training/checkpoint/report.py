@@ -19,9 +19,8 @@ from ray.train import CheckpointUploadMode
 
 from training.checkpoint import format as ckpt
 from training.checkpoint.upload import RetryPolicy, upload_fn
+from training.failure.restart import Preemption
 from training.observe.system import SYSTEM_KEY
-from training.config import JobConfig
-from training.worker.policy import Preemption
 
 # What a synchronous (preemption) upload leaves free before the deadline, for Ray Train to register it.
 DEADLINE_SLACK_S = 2.0
@@ -38,12 +37,14 @@ def synchronous_upload_budget_s(deadline_s: Optional[float], now_s: float) -> fl
 class CheckpointReporter:
     """Reports metrics, and saves and uploads the whole training state with them when asked."""
 
-    def __init__(self, job: JobConfig, run_dir: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, sharded: bool, rank: int, steps_per_epoch: int, world_size: int):
+    def __init__(self, config: dict, upload: str, run_dir: str, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler, sharded: bool, rank: int, steps_per_epoch: int,
+                 world_size: int):
+        """`config`: the resolved job config each checkpoint stores; `upload`: checkpoint.upload."""
         self.model, self.optimizer, self.scheduler, self.sharded = model, optimizer, scheduler, sharded
         self.writes = rank == 0 or sharded  # sharded: every worker writes and uploads its shard
-        self.asynchronous = job.checkpoint.upload == "async"
-        self.config = job.model_dump(mode="json")
+        self.asynchronous = upload == "async"
+        self.config = config
         self.steps_per_epoch, self.world_size = steps_per_epoch, world_size
         self.run_dir, self.retry = run_dir, RetryPolicy()
         self.upload = upload_fn(run_dir, self.retry)  # meta.json last, storage errors retried

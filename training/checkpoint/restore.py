@@ -11,7 +11,7 @@ from training import storage
 from training.checkpoint import format as ckpt
 
 
-def restore_point(loop_config: dict, agree: bool = True) -> ray.train.Checkpoint | None:
+def restore_point(run_dir: str, initial_checkpoint: str | None, agree: bool = True) -> ray.train.Checkpoint | None:
     """The checkpoint to continue from, the same on every worker: the newest complete one in the
     run's directory, even if Ray Train has not registered it yet; else the one Ray Train reports;
     else `initial_checkpoint` (a run seeded from another run's checkpoint); else none.
@@ -24,14 +24,14 @@ def restore_point(loop_config: dict, agree: bool = True) -> ray.train.Checkpoint
     if not agree or ray.train.get_context().get_world_rank() == 0:
         registered = ray.train.get_checkpoint()
         registered_step = ckpt.step_of(registered.path) if registered is not None else None
-        fs, run_dir = storage.filesystem(loop_config["run_dir"])
-        newer = ckpt.newest_complete(fs, run_dir, newer_than=registered_step if registered_step is not None else -1)
+        fs, path = storage.filesystem(run_dir)
+        newer = ckpt.newest_complete(fs, path, newer_than=registered_step if registered_step is not None else -1)
         if newer is not None and (registered is None or registered_step is not None):
-            choice = ("path", loop_config["run_dir"].rstrip("/") + "/" + newer[1].rsplit("/", 1)[-1])
+            choice = ("path", run_dir.rstrip("/") + "/" + newer[1].rsplit("/", 1)[-1])
         elif registered is not None:
             choice = ("registered", None)
-        elif loop_config.get("initial_checkpoint"):
-            choice = ("path", loop_config["initial_checkpoint"])
+        elif initial_checkpoint:
+            choice = ("path", initial_checkpoint)
     # One worker decides (an upload may complete between two workers' looks) and tells the others.
     if agree:
         choice = ray.train.collective.broadcast_from_rank_zero(choice)
@@ -44,11 +44,11 @@ def restore_point(loop_config: dict, agree: bool = True) -> ray.train.Checkpoint
     return None
 
 
-def resume(loop_config: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-           sharded: bool, agree: bool = True) -> ckpt.LoopState:
+def resume(run_dir: str, initial_checkpoint: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler, sharded: bool, agree: bool = True) -> ckpt.LoopState:
     """Load the restore point, if any, into `model`, `optimizer` and `scheduler` (in place);
     returns the loop state to continue from. `agree`: see restore_point."""
-    checkpoint = restore_point(loop_config, agree)
+    checkpoint = restore_point(run_dir, initial_checkpoint, agree)
     if checkpoint is None:
         return ckpt.LoopState()
     with checkpoint.as_directory() as directory:  # sharded: each worker reads its part, at any world size

@@ -24,9 +24,11 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from training import storage
+from training.adaptors.ray_private import checkpoint_upload_retry_markers
 from training.backoff import RetryPolicy
-from training.retry import Retrier
 from training.checkpoint import format as ckpt
+from training.errors import first_line
+from training.retry import Retrier
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,7 @@ class UploadFailed(OSError):
 
     @classmethod
     def of(cls, what: str, failures: int, elapsed_s: float, cause: BaseException) -> "UploadFailed":
-        from training.adaptors.ray_private import checkpoint_upload_retry_markers
-
-        reason = str(cause).splitlines()[0][:300] if str(cause) else type(cause).__name__
+        reason = first_line(cause)
         for marker in checkpoint_upload_retry_markers():
             reason = reason.replace(marker, marker.lower())
         return cls(f"{what} failed {failures} times in {elapsed_s:.0f} s; giving up: {reason}")
@@ -70,7 +70,7 @@ def upload(local_dir: str | Path, run_dir: str, dir_name: str, policy: RetryPoli
 
 def upload_fn(run_dir: str, policy: RetryPolicy = RetryPolicy()):
     """The `checkpoint_upload_fn` for ray.train.report."""
-    import ray.train
+    import ray.train  # (lazy: ray.train)
 
     def upload_checkpoint(checkpoint: "ray.train.Checkpoint", dir_name: str) -> "ray.train.Checkpoint":
         fs, path = upload(checkpoint.path, run_dir, dir_name, policy)

@@ -1,1 +1,2 @@
-"""Data: sources -> Parquet shards with a manifest -> each worker's share of every global batch."""
+"""Data: each source (training/data/registry.py) is planned and prepared by the driver into data
+with a manifest; each worker reads its share of every global batch from it."""

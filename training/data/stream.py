@@ -1,4 +1,4 @@
-"""Streaming order for data that does not fit in memory: global batches drawn from a fixed number of
+"""Streaming order for data that does not fit in memory (on the workers): global batches drawn from a fixed number of
 data partitions, read a row group at a time, with a bounded shuffle window.
 
 The order is a pure function of (the row-group index, seed, epoch, number of partitions, window),
@@ -38,6 +38,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from training.data.order import part_bounds
+
 
 @dataclass(frozen=True)
 class RowGroup:
@@ -64,7 +66,7 @@ def deal(row_groups: Sequence[RowGroup], seed: int, epoch: int, partitions: int)
 
 def batch_parts(global_batch_size: int, partitions: int) -> np.ndarray:
     """How many rows of each partition one global batch takes."""
-    return np.array([len(p) for p in np.array_split(np.arange(global_batch_size), partitions)], dtype=np.int64)
+    return np.diff([part_bounds(global_batch_size, partitions, p)[0] for p in range(partitions + 1)]).astype(np.int64)
 
 
 class PartitionStream:
@@ -227,7 +229,7 @@ def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[s
 
 class StreamingShard:
     """One worker's part of each global batch, read row group by row group (the streaming
-    counterpart of `loader.TrainShard`: the same `steps_per_epoch` and `batch(step)`).
+    counterpart of `shards.TrainShard`: the same `steps_per_epoch` and `batch(step)`).
 
     Steps are located and gathered a chunk at a time (a vectorised pass over as many steps as fit in
     a window's rows), and, with `read_ahead`, the next chunk's row groups are read on a background
@@ -235,11 +237,10 @@ class StreamingShard:
 
     def __init__(self, row_groups: Sequence[RowGroup], load: Callable[[int], dict[str, np.ndarray]], plan,
                  seed: int, partitions: int, window: int, read_ahead: bool = True, read_threads: int = 2,
-                 to_tensors=None, on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None):
         self.row_groups, self.plan, self.seed = list(row_groups), plan, seed
         self._on_close = on_close
         self.partitions, self.window, self.read_ahead = partitions, window, read_ahead
-        self._to_tensors = to_tensors or (lambda columns: columns)
         self._epochs: dict[int, EpochPlan] = {}
         if partitions > plan.global_batch_size:
             raise ValueError(f"data.options.partitions {partitions} is more than train.global_batch_size "
@@ -249,8 +250,7 @@ class StreamingShard:
             raise ValueError(f"train.global_batch_size {plan.global_batch_size} is too large for the training rows "
                              f"over {partitions} partitions ({len(self.row_groups)} row groups): fewer partitions, "
                              "smaller row groups or a smaller batch")
-        bounds = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(plan.global_batch_size), plan.world_size)])
-        self._lo, self._hi = int(bounds[plan.rank]), int(bounds[plan.rank + 1])
+        self._lo, self._hi = plan.bounds
         # A chunk takes at most a window's rows of each partition (the smallest row groups counted).
         smallest = min(g.rows for g in self.row_groups)
         self.chunk_steps = int(np.clip(window * smallest // int(batch_parts(plan.global_batch_size, partitions).max()),
@@ -300,7 +300,7 @@ class StreamingShard:
                 self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()
                                                   + self._epoch(epoch).groups_ahead(position, self._lo, self._hi)))
         first, _, columns = self._chunk
-        return self._to_tensors({k: v[step - first] for k, v in columns.items()})
+        return {k: v[step - first] for k, v in columns.items()}
 
     def sample_ids(self, step: int) -> np.ndarray:
         """The split's row numbers (in index order) in this worker's part of global batch `step`

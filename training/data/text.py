@@ -1,22 +1,15 @@
-"""Runs in the driver: the built-in `text` source. Text files (.txt or any other extension: one
+"""The built-in `text` source (the driver). Text files (.txt or any other extension: one
 document per file), JSON Lines (one document per line, in a field) or Parquet (a text column)
 tokenized with a Hugging Face `tokenizers` file, or with a byte-level BPE trained here on a
 deterministic sample of the training files, packed into rows of seq_len + 1 token ids and written
 as Parquet that workers stream exactly like the `parquet` source's `tokens` column.
 
-Layout (local or s3://):
-    <cache_root>/text-<key>/tokenizer.json                the tokenizer the ids come from
-    <cache_root>/text-<key>/{train,validation}/<input file's name>-<digest>.parquet
-    <cache_root>/text-<key>/manifest.json                 written last: its presence means complete
+Each input file is tokenized by the file-by-file pipeline (training/data/file_work.py), into
+`<cache_root>/text-<key>/`, beside the tokenizer the ids come from (`tokenizer.json`). `key` digests
+the inputs' listing (paths, sizes, modification times), the options and the tokenizer.
 
-`key` digests the inputs' listing (paths, sizes, modification times), the options and the
-tokenizer. Each input file is one unit of work, written under a temporary name and renamed: an
-interrupted preparation resumes with the files not yet written. Large inputs are tokenized by a
-Ray Data pipeline on the cluster (blocks of files, each written by the task that reads it; only
-counts come back to the driver); small ones in the driver, a file at a time.
-
-`plan` makes every check a user can fail (paths, options, the tokenizer file, an empty validation
-split) without Ray; `prepare` does the work.
+`SOURCE.plan` makes every check a user can fail (paths, options, the tokenizer file, an empty
+validation split) without Ray; `TextPlan.prepare` does the work.
 """
 
 from __future__ import annotations
@@ -27,18 +20,24 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Callable, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+from tokenizers import Tokenizer  # (the tokenizers library: only when text is tokenized)  # (in the Ray Data task)
 
 from training import storage
-from training.config import DataConfig
-from training.data import parquet
-from training.data.prepare import decide_where, do_file_tasks, pending_bytes, same_dataset
-from training.data.tokenize import DataError, FileTask, format_of, is_done, rows_per_group, tokenize_file
-from training.data.tokenizer import hash_rank, load_tokenizer, tokenizer_of
-from training.errors import ConfigError, UserError
-from training.schema import Section, format_validation_error
+from training.data.file_work import FilePlan, FileTask, do_file_tasks, files_on_cluster, index_output, output_manifest
+from training.data.files import DataFile, as_list, digest, list_files, listed_for, split_listing
+from training.data.manifest import Manifest, cached
+from training.data.order import BatchPlan
+from training.data.parquet import IndexedRows, ParquetOptions, open_stream
+from training.data.parquet_index import Columns
+from training.data.source import DataCheck, DataSection
+from training.data.stream import StreamingShard
+from training.data.tinylm import stdlib_source_files
+from training.data.tokenize import documents, format_of, rows_per_group, tokenize_file
+from training.data.tokenizer import hash_rank, load_tokenizer, log_tokenizer, tokenizer_of
+from training.errors import DataError, UserError
+from training.schema import Section
 
-SOURCE = "text"
 TEXT_FORMAT = 1
 STDLIB = "stdlib"  # path: the Python standard library's own .py files (site-packages left out)
 
@@ -97,13 +96,16 @@ class TextOptions(Section):
         return self
 
 
-@dataclass(frozen=True)
-class TextPlan:
+class TextData(DataSection):
+    source: Literal["text"] = "text"
     options: TextOptions
-    inputs: dict[str, list[parquet.DataFile]]  # split -> files
+
+
+@dataclass(frozen=True)
+class TextPlan(FilePlan):
+    options: TextOptions
     tokenizer_json: Optional[str]  # a tokenizer file's content (None: trained during preparation)
     eos_id: int
-    root: str
 
     @property
     def width(self) -> int:
@@ -113,54 +115,77 @@ class TextPlan:
     def group_rows(self) -> int:
         return rows_per_group(self.width, sum(f.size for f in self.inputs["train"]), self.options.partitions)
 
-    def folder(self, split: str) -> str:
-        return storage.join(self.root, split)
+    def fmt(self, uri: str) -> str:
+        return format_of(uri, self.options.format)
 
-    def tasks(self) -> list[FileTask]:
-        """The files not yet tokenized."""
-        return [FileTask(f.uri, format_of(f.uri, self.options.format), self.folder(split))
-                for split, files in self.inputs.items() for f in files if not is_done(self.folder(split), f.uri)]
+    changed_message = ("the text changed since the run started (a file new, gone, or with another size or "
+                       "modification time, or another tokenizer file): resuming would train on other rows; restore "
+                       "it, or start a new run (--name)")
 
-    def prepared(self) -> bool:
-        from training.data.prepare import MANIFEST
+    def prepare(self, check: Optional[DataCheck], log: Callable[[str], None],
+                on_file: Optional[Callable[[dict], None]] = None) -> Manifest:
+        """The Manifest of the tokenized data (cached by key; resumed file by file if interrupted).
+        `on_file(counts)`: called after each file tokenized in this process."""
+        options = self.options
+        manifest = cached(self.root, check, log, f"text in rows of {self.width} tokens ready")
+        if manifest is not None:
+            return manifest
+        tokenizer = tokenizer_of(self, log)
+        tasks = self.tasks()
+        arguments = (tokenizer.to_str(), self.eos_id, self.width, self.group_rows, options.text_column)
+        work = do_file_tasks(self, tasks, "tokenizing",
+                             in_driver=lambda: tokenize_in_driver(tasks, *arguments, on_file=on_file),
+                             on_cluster=lambda sizes: tokenize_on_cluster(tasks, sizes, *arguments), log=log)
+        if work.error:
+            split = self.split_of(work.error["uri"])
+            raise UserError(f"data.options.{_files_option(options, split)}: {work.error['error']}")
+        if tasks:
+            rows, dropped = sum(r["rows"] for r in work.results), sum(r["dropped_tokens"] for r in work.results)
+            log(f"data: tokenized {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) in "
+                f"{work.elapsed_s:.1f} s {work.how}: {rows} rows ({rows / max(work.elapsed_s, 1e-9):.0f} rows/s); "
+                f"{dropped} tokens at files' ends dropped (shorter than a row)")
+        index = index_output(self, Columns(tokens="tokens"), lambda split: UserError(
+            f"data.options.{_files_option(options, split)}: the {split} split holds no row: each file has fewer than "
+            f"seq_len + 1 = {self.width} tokens; lower data.options.seq_len or give more text"),
+            lambda problem: f"data (text): {problem}", vocab_size=tokenizer.get_vocab_size())
+        if check is not None:
+            check(index["task"], index["spec"], {name: split["rows"] for name, split in index["splits"].items()})
+        index_options = ParquetOptions(
+            path=self.folder("train"), validation_path=self.folder("validation"), tokens="tokens",
+            vocab_size=tokenizer.get_vocab_size(), partitions=options.partitions,
+            shuffle_window=options.shuffle_window, read_ahead=options.read_ahead, read_threads=options.read_threads)
+        manifest = output_manifest(self, SOURCE.name, index, index_options.model_dump(mode="json"), origin={
+            "path": options.path, "validation_path": options.validation_path,
+            "tokenizer": options.tokenizer.file or "trained"})
+        log(f"data: text prepared at {self.root} ({manifest.rows('train')} train, {manifest.rows('validation')} "
+            f"validation rows of {self.width} tokens; vocabulary {manifest.spec['vocab_size']})")
+        return manifest
 
-        return storage.exists(storage.join(self.root, MANIFEST))
+
+def _files_option(options: TextOptions, split: str) -> str:
+    """The option that names a split's files."""
+    return "validation_path" if split == "validation" and options.validation_path is not None else "path"
 
 
-def options_of(data: DataConfig) -> TextOptions:
-    try:
-        return TextOptions.model_validate(data.options)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, "data.options", TextOptions).strip()) from None
-
-
-def stdlib_files() -> list[parquet.DataFile]:
-    from training.data.sources import stdlib_source_files
-
+def stdlib_files() -> list[DataFile]:
     files = []
     for path in stdlib_source_files():
         stat = path.stat()
-        files.append(parquet.DataFile(str(path), stat.st_size, stat.st_mtime_ns, {}))
+        files.append(DataFile(str(path), stat.st_size, stat.st_mtime_ns, {}))
     return files
 
 
-def list_inputs(paths, exclude: list[str], option: str) -> list[parquet.DataFile]:
-    listed = []
-    try:
-        for spec in parquet._as_list(paths):
-            listed += stdlib_files() if spec == STDLIB else parquet.list_files(spec)
-    except parquet.DataError as exc:
-        raise UserError(f"data.options.{option}: {exc}") from None
-    except OSError as exc:
-        raise UserError(f"data.options.{option}: {str(exc).splitlines()[0][:300]}") from None
+def list_inputs(paths, exclude: list[str], option: str) -> list[DataFile]:
+    listed = listed_for(f"data.options.{option}", lambda: [
+        f for spec in as_list(paths) for f in (stdlib_files() if spec == STDLIB else list_files(spec))])
     files = [f for f in {f.uri: f for f in listed}.values() if not any(fnmatch(f.uri, p) for p in exclude)]
     if not files:
-        raise UserError(f"data.options.{option}: no files under {', '.join(parquet._as_list(paths))}"
+        raise UserError(f"data.options.{option}: no files under {', '.join(as_list(paths))}"
                         + (f" once data.options.exclude {exclude} is applied" if exclude else ""))
     return sorted(files, key=lambda f: f.uri)
 
 
-def within_bytes(files: list[parquet.DataFile], max_bytes: Optional[int]) -> list[parquet.DataFile]:
+def within_bytes(files: list[DataFile], max_bytes: Optional[int]) -> list[DataFile]:
     """Whole files, by a hash of their path, until max_bytes (at least one file)."""
     if max_bytes is None:
         return files
@@ -173,11 +198,9 @@ def within_bytes(files: list[parquet.DataFile], max_bytes: Optional[int]) -> lis
     return sorted(chosen, key=lambda f: f.uri)
 
 
-def check_first_records(files: list[parquet.DataFile], options: TextOptions, option: str) -> None:
+def check_first_records(files: list[DataFile], options: TextOptions, option: str) -> None:
     """A cheap look at each jsonl and Parquet file (its first batch): a missing field or column is
     refused now; the rest of a jsonl file is checked as it is tokenized."""
-    from training.data.tokenize import documents
-
     for file in files:
         fmt = format_of(file.uri, options.format)
         if fmt == "text":
@@ -188,60 +211,9 @@ def check_first_records(files: list[parquet.DataFile], options: TextOptions, opt
             raise UserError(f"data.options.{option}: {exc}") from None
 
 
-def plan(data: DataConfig, cache_root: str) -> TextPlan:
-    """Every check a user can fail, without Ray and without writing anything; where the data goes."""
-    options = options_of(data)
-    train = within_bytes(list_inputs(options.path, options.exclude, "path"), options.max_bytes)
-    if options.validation_path is not None:
-        validation = list_inputs(options.validation_path, options.exclude, "validation_path")
-        option = "validation_path"
-    else:
-        option = "validation_fraction"
-        try:
-            chosen = parquet.validation_files(train, options.validation_fraction)
-        except parquet.DataError as exc:
-            raise UserError(f"data.options.validation_fraction: {exc}") from None
-        validation, train = [f for f in train if f.uri in chosen], [f for f in train if f.uri not in chosen]
-    if not sum(f.size for f in validation):
-        raise UserError(f"data.options.{option}: the validation split is empty ({len(validation)} files, no bytes: "
-                        f"{', '.join(f.uri for f in validation[:3])})")
-    check_first_records(train, options, "path")
-    check_first_records(validation, options, option)
-    tokenizer_json, eos_id = load_tokenizer(options)
-    tokenizer_digest = hashlib.sha256((tokenizer_json or "").encode()).hexdigest()
-    ident = json.dumps({"format": TEXT_FORMAT, "options": options.model_dump(mode="json", exclude={"tokenize_on"}), "tokenizer": tokenizer_digest,
-                        "train": parquet.digest(train), "validation": parquet.digest(validation)}, sort_keys=True)
-    root = storage.join(cache_root, f"{SOURCE}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
-    return TextPlan(options, {"train": train, "validation": validation}, tokenizer_json, eos_id, root)
-
-
-def wants_cluster(text_plan: TextPlan) -> bool:
-    """Whether preparing this data would use a Ray cluster if one were up (the driver opens its Ray
-    session before preparing, then)."""
-    if text_plan.prepared():
-        return False
-    pending = pending_bytes(text_plan.inputs, text_plan.tasks())
-    return decide_where(text_plan.options.tokenize_on, pending, cluster_up=True) == "cluster"
-
-
-def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str,
-                    text_plan: Optional[TextPlan] = None) -> None:
-    """A resumed run's text must be the text it started on: the same inputs and tokenizer give the same
-    key (re-tokenizing changed text would silently train the rest of the run on other rows)."""
-    if not recorded_root:
-        return
-    if not same_dataset(recorded_root, (text_plan or plan(data, cache_root)).root):
-        raise UserError("data.options.path: the text changed since the run started (a file new, gone, or with another "
-                        "size or modification time, or another tokenizer file): resuming would train on other rows; "
-                        "restore it, or start a new run (--name)")
-
-
-# -- tokenizing, indexing ------------------------------------------------------------------------
-
 def tokenize_in_driver(tasks: list[FileTask], tokenizer_json: str, eos_id: int, width: int, group: int,
                        text_column: str, on_file: Optional[Callable[[dict], None]] = None) -> list[dict]:
     """A file at a time; `on_file(counts)` after each."""
-    from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
     results = []
@@ -256,11 +228,9 @@ def tokenize_in_driver(tasks: list[FileTask], tokenizer_json: str, eos_id: int, 
 
 def tokenize_on_cluster(tasks: list[FileTask], sizes: dict[str, int], tokenizer_json: str, eos_id: int, width: int,
                         group: int, text_column: str) -> list[dict]:
-    """Each file tokenized by a Ray Data task on any node (see prepare.files_on_cluster)."""
-    from training.data.prepare import files_on_cluster
+    """Each file tokenized by a Ray Data task on any node (see file_work.files_on_cluster)."""
 
     def work(tasks: list[FileTask]) -> list[dict]:
-        from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_str(tokenizer_json)
         return [tokenize_file(task, tokenizer, eos_id, width, group, text_column) for task in tasks]
@@ -268,54 +238,47 @@ def tokenize_on_cluster(tasks: list[FileTask], sizes: dict[str, int], tokenizer_
     return files_on_cluster(tasks, sizes, work)
 
 
-def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = print, check=None,
-            text_plan: Optional[TextPlan] = None, on_file: Optional[Callable[[dict], None]] = None):
-    """The Manifest of the tokenized data (cached by key; resumed file by file if interrupted).
-    `on_file(counts)`: called after each file tokenized in this process."""
-    from training.data.prepare import MANIFEST, Manifest, cached
+class TextSource:
+    name = "text"
+    Config = TextData
 
-    text_plan = text_plan or plan(data, cache_root)
-    options = text_plan.options
-    manifest = cached(text_plan.root, check, log, f"text in rows of {text_plan.width} tokens")
-    if manifest is not None:
-        return manifest
-    tokenizer = tokenizer_of(text_plan, log)
-    tasks = text_plan.tasks()
-    arguments = (tokenizer.to_str(), text_plan.eos_id, text_plan.width, text_plan.group_rows, options.text_column)
-    work = do_file_tasks(text_plan.inputs, tasks, options.tokenize_on, "tokenizing",
-                         in_driver=lambda: tokenize_in_driver(tasks, *arguments, on_file=on_file),
-                         on_cluster=lambda sizes: tokenize_on_cluster(tasks, sizes, *arguments), log=log)
-    if work.error:
-        split = next(s for s, fs in text_plan.inputs.items() if any(f.uri == work.error["uri"] for f in fs))
-        raise UserError(f"data.options.{_files_option(options, split)}: {work.error['error']}")
-    if tasks:
-        rows, dropped = sum(r["rows"] for r in work.results), sum(r["dropped_tokens"] for r in work.results)
-        log(f"data: tokenized {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) in "
-            f"{work.elapsed_s:.1f} s {work.how}: {rows} rows ({rows / max(work.elapsed_s, 1e-9):.0f} rows/s); "
-            f"{dropped} tokens at files' ends dropped (shorter than a row)")
-    index_options = parquet.ParquetOptions(
-        path=text_plan.folder("train"), validation_path=text_plan.folder("validation"), tokens="tokens",
-        vocab_size=tokenizer.get_vocab_size(), partitions=options.partitions,
-        shuffle_window=options.shuffle_window, read_ahead=options.read_ahead, read_threads=options.read_threads)
-    for split in ("train", "validation"):
+    def plan(self, section: TextData, cache_root: str) -> TextPlan:
+        """Every check a user can fail, without Ray and without writing anything; where the data goes."""
+        options = section.options
+        train = within_bytes(list_inputs(options.path, options.exclude, "path"), options.max_bytes)
+        if options.validation_path is not None:
+            validation, option = list_inputs(options.validation_path, options.exclude, "validation_path"), \
+                "validation_path"
+        else:
+            validation, option = None, "validation_fraction"
         try:
-            parquet.list_files(text_plan.folder(split))
-        except parquet.DataError:
-            raise UserError(f"data.options.{_files_option(options, split)}: the {split} split holds no row: each file has fewer than seq_len + 1 "
-                            f"= {text_plan.width} tokens; lower data.options.seq_len or give more text") from None
-    index = parquet.build_index(index_options)
-    if check is not None:
-        check(index["task"], index["spec"], {name: split["rows"] for name, split in index["splits"].items()})
-    manifest = Manifest(root=text_plan.root, source=SOURCE, options=index_options.model_dump(mode="json"),
-                        task=index["task"], spec=index["spec"], splits=index["splits"], schema=index["schema"],
-                        digest=index["digest"], origin={"path": options.path, "validation_path": options.validation_path,
-                                                        "tokenizer": options.tokenizer.file or "trained"})
-    storage.write_text(storage.join(text_plan.root, MANIFEST), manifest.to_json())
-    log(f"data: text prepared at {text_plan.root} ({manifest.rows('train')} train, {manifest.rows('validation')} "
-        f"validation rows of {text_plan.width} tokens; vocabulary {manifest.spec['vocab_size']})")
-    return manifest
+            inputs = split_listing(train, validation, options.validation_fraction).splits
+        except DataError as exc:
+            raise UserError(f"data.options.validation_fraction: {exc}") from None
+        if not sum(f.size for f in inputs["validation"]):
+            raise UserError(f"data.options.{option}: the validation split is empty ({len(inputs['validation'])} "
+                            f"files, no bytes: {', '.join(f.uri for f in inputs['validation'][:3])})")
+        check_first_records(inputs["train"], options, "path")
+        check_first_records(inputs["validation"], options, option)
+        tokenizer_json, eos_id = load_tokenizer(options)
+        tokenizer_digest = hashlib.sha256((tokenizer_json or "").encode()).hexdigest()
+        ident = json.dumps({"format": TEXT_FORMAT, "options": options.model_dump(mode="json", exclude={"tokenize_on"}),
+                            "tokenizer": tokenizer_digest, "train": digest(inputs["train"]),
+                            "validation": digest(inputs["validation"])}, sort_keys=True)
+        root = storage.join(cache_root, f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+        return TextPlan(inputs, root, options.tokenize_on, options, tokenizer_json, eos_id)
+
+    def plugins(self, section: TextData) -> list[str]:
+        return []
+
+    def track(self, tracker, manifest: Manifest, log: Callable[[str], None]) -> None:
+        log_tokenizer(tracker, manifest, log)
+
+    def open(self, manifest: Manifest, plan: BatchPlan, seed: int) -> StreamingShard:
+        return open_stream(manifest, plan, seed)
+
+    def rows(self, manifest: Manifest, split: str) -> IndexedRows:
+        return IndexedRows(manifest, split)
 
 
-def _files_option(options: TextOptions, split: str) -> str:
-    """The option that names a split's files."""
-    return "validation_path" if split == "validation" and options.validation_path is not None else "path"
+SOURCE = TextSource()

@@ -1,21 +1,18 @@
 """Runs in the driver, or in a Ray Data task on any node: one input file of the `text` source read a
-batch of documents at a time, tokenized, packed into rows and written as one Parquet file.
+batch of documents at a time, tokenized, packed into rows and written as one Parquet file (a unit of
+training/data/file_work.py's pipeline).
 
 Packing: every document is followed by the end-of-document token, and the file's token stream is
 cut into rows of `width` (seq_len + 1) ids; what is left at the end of the file (shorter than a
 row) is dropped and counted. A file is written to a hidden temporary name and renamed when
-complete, so a file that is there is finished; a file too short for one row is still marked done,
-as an empty `_<name>.parquet` (skipped by the Parquet source's listing, like Spark's `_SUCCESS`).
+complete (see file_work), so a file that is there is finished; a file too short for one row is
+still marked done, as an empty `_<name>.parquet`.
 Memory: one batch of documents and one row group of rows, whatever the file's size.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import posixpath
-import re
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
@@ -23,8 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training import storage
+from training.data.file_work import FileTask, done_paths, temporary_path
+from training.errors import DataError, first_line
 
-FORMATS = ("text", "jsonl", "parquet")
 # Text handed to the tokenizer at once (its batch encoder runs on several threads; its encodings,
 # with offsets and token strings, take many times the text's size in memory).
 BATCH_BYTES = 1 << 20
@@ -32,10 +30,6 @@ BATCH_BYTES = 1 << 20
 # and an epoch leaves out up to about one row group per partition).
 ROW_GROUP_BYTES = 256 << 10
 META_KEY = b"training.text"
-
-
-class DataError(ValueError):
-    """An input file is not what the options say (named file, line or column, what to do)."""
 
 
 def format_of(uri: str, configured: str) -> str:
@@ -47,22 +41,6 @@ def format_of(uri: str, configured: str) -> str:
     if name.endswith((".parquet", ".pq")):
         return "parquet"
     return "text"
-
-
-def output_name(uri: str) -> str:
-    """A name derived from the input file, unique within the dataset (the path's digest)."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", posixpath.basename(uri.rstrip("/")))[:80].lstrip("._") or "file"
-    return f"{stem}-{hashlib.sha256(uri.encode()).hexdigest()[:10]}.parquet"
-
-
-def done_paths(folder: str, uri: str) -> tuple[str, str]:
-    """Where the output of `uri` lies when finished: with rows, or empty (too short for one row)."""
-    name = output_name(uri)
-    return storage.join(folder, name), storage.join(folder, f"_{name}")
-
-
-def is_done(folder: str, uri: str) -> bool:
-    return any(storage.exists(p) for p in done_paths(folder, uri))
 
 
 def documents(uri: str, fmt: str, text_column: str, limit_bytes: Optional[int] = None) -> Iterator[list[str]]:
@@ -80,7 +58,7 @@ def documents(uri: str, fmt: str, text_column: str, limit_bytes: Optional[int] =
             handle = fs.open_input_file(path)
             parquet = pq.ParquetFile(handle)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{uri} is not a readable Parquet file: {str(exc).splitlines()[0][:200]}") from None
+            raise DataError(f"{uri} is not a readable Parquet file: {first_line(exc, 200)}") from None
         with handle:
             if text_column not in parquet.schema_arrow.names:
                 raise DataError(f"{uri} has no column {text_column!r} (it has: {', '.join(parquet.schema_arrow.names)}): "
@@ -135,13 +113,6 @@ def _lines(stream) -> Iterator[bytes]:
         yield rest
 
 
-@dataclass(frozen=True)
-class FileTask:
-    uri: str
-    fmt: str
-    folder: str  # where the output goes (the split's folder)
-
-
 def rows_per_group(width: int, input_bytes: int, partitions: int) -> int:
     """Rows per row group: at most about ROW_GROUP_BYTES, and about an eighth of what one streaming
     partition is expected to hold (an epoch leaves out up to about one row group per partition;
@@ -155,8 +126,7 @@ def tokenize_file(task: FileTask, tokenizer, eos_id: int, width: int, group: int
     {"error": message} for bad data (nothing of this file is left behind then)."""
     final, empty = done_paths(task.folder, task.uri)
     fs, _ = storage.filesystem(final)
-    temporary = storage.join(task.folder, f".{output_name(task.uri)}.tmp")
-    _, tmp_path = storage.filesystem(temporary)
+    _, tmp_path = storage.filesystem(temporary_path(task.folder, task.uri))
     fs.create_dir(storage.filesystem(task.folder)[1], recursive=True)
     schema = pa.schema([("tokens", pa.list_(pa.int32(), width))])
     counts = {"uri": task.uri, "documents": 0, "tokens": 0, "rows": 0, "dropped_tokens": 0, "bytes": 0}
@@ -199,14 +169,3 @@ def tokenize_file(task: FileTask, tokenizer, eos_id: int, width: int, group: int
 def _write(writer, ids: np.ndarray, width: int, group: int) -> None:
     column = pa.FixedSizeListArray.from_arrays(pa.array(ids), width)
     writer.write_table(pa.table({"tokens": column}), row_group_size=group)
-
-
-def recorded_counts(folder: str, uri: str) -> dict:
-    """The counts a finished file recorded when it was written (a resumed preparation's log)."""
-    for path in done_paths(folder, uri):
-        if storage.exists(path):
-            fs, local = storage.filesystem(path)
-            with fs.open_input_file(local) as handle:
-                meta = pq.ParquetFile(handle).metadata.metadata or {}
-            return json.loads(meta.get(META_KEY, b"{}"))
-    return {}

@@ -8,10 +8,12 @@ import hashlib
 import time
 from typing import Callable
 
-from training import storage
-from training.data import parquet
-from training.data.tokenize import DataError, format_of
-from training.errors import UserError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from training import storage, topics
+from training.data.files import DataFile
+from training.data.tokenize import documents, format_of
+from training.errors import DataError, UserError, first_line
 
 EOS = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here (id 0)
 # A tokenizer file's end-of-document token, when eos_token is not given: the first of these it has.
@@ -19,7 +21,7 @@ EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def hash_rank(files: list[parquet.DataFile]) -> list[parquet.DataFile]:
+def hash_rank(files: list[DataFile]) -> list[DataFile]:
     """Files in a deterministic order that does not depend on how they were listed."""
     return sorted(files, key=lambda f: hashlib.sha256(f.uri.encode()).hexdigest())
 
@@ -28,16 +30,14 @@ def load_tokenizer(options):
     """(content of the tokenizer file or None, eos id). UserError naming the option if it fails."""
     if options.tokenizer.file is None:
         return None, 0  # trained here: EOS is its first special token
-    from tokenizers import Tokenizer
 
     where = options.tokenizer.file
     try:
         content = storage.read_text(where)
         tokenizer = Tokenizer.from_str(content)
     except Exception as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise UserError(f"data.options.tokenizer.file: {where} does not load as a Hugging Face tokenizers "
-                        f"file: {reason}") from None
+                        f"file: {first_line(exc)}") from None
     names = [options.eos_token] if options.eos_token else EOS_CANDIDATES
     for name in names:
         token = tokenizer.token_to_id(name)
@@ -48,11 +48,9 @@ def load_tokenizer(options):
                     + ("" if options.eos_token else "; set data.options.eos_token to the one it has"))
 
 
-def sample_documents(files: list[parquet.DataFile], options, sample_bytes: int):
+def sample_documents(files: list[DataFile], options, sample_bytes: int):
     """A deterministic sample: files by a hash of their path, an equal share of the budget from each
     (at least 4 KiB), until the budget is spent."""
-    from training.data.tokenize import documents
-
     share, total = max(sample_bytes // max(len(files), 1), 4096), 0
     for file in hash_rank(files):
         taken = 0
@@ -70,9 +68,8 @@ def sample_documents(files: list[parquet.DataFile], options, sample_bytes: int):
             return
 
 
-def train_tokenizer(files: list[parquet.DataFile], options):
+def train_tokenizer(files: list[DataFile], options):
     """A byte-level BPE (every byte has a token: any text encodes, and decodes back exactly)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     training = options.tokenizer.train
     tokenizer = Tokenizer(models.BPE())
@@ -96,7 +93,6 @@ def write_atomically(uri: str, text: str) -> None:
 def tokenizer_of(text_plan, log: Callable[[str], None]):
     """The plan's tokenizer, saved as tokenizer.json in the dataset (trained once: a resumed
     preparation loads the one it trained)."""
-    from tokenizers import Tokenizer
 
     saved = storage.join(text_plan.root, TOKENIZER_FILE)
     if text_plan.tokenizer_json is not None:
@@ -122,4 +118,4 @@ def log_tokenizer(tracker, manifest, log: Callable[[str], None]) -> None:
         tracker.client.log_text(tracker.run_id, storage.read_text(storage.join(manifest.root, TOKENIZER_FILE)),
                                 f"tokenizer/{TOKENIZER_FILE}")
     except Exception as exc:
-        log(f"tracking: the tokenizer was not logged to MLflow: {str(exc).splitlines()[0][:200]}")
+        log(topics.line(topics.TRACKING, f"the tokenizer was not logged to MLflow: {first_line(exc, 200)}"))

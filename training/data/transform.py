@@ -1,22 +1,15 @@
-"""Runs in the driver, or in a Ray Data task on any node: the `parquet` source's `transform`, a
-plug-in of the user's run over the input files before training; its output is written as Parquet
-that workers stream exactly as they stream Parquet read in place.
+"""The `parquet` source's `transform` (the driver, and Ray Data tasks on any node): a plug-in of the
+user's run over the input files before training, each file's output written as Parquet by the
+file-by-file pipeline (training/data/file_work.py) and streamed exactly as Parquet read in place.
 
-Layout (local or s3://):
-    <cache_root>/transform-<key>/{train,validation}/<input file's name>-<digest>.parquet
-    <cache_root>/transform-<key>/manifest.json      written last: its presence means complete
-
-`key` digests the inputs' listing (paths, sizes, modification times), the options and the source
-of the plug-in's module, so a changed input or function gives a new dataset. Each input file is
-one unit of work, read a row group at a time: each row group's output is one row group of the
-output file (the input's layout, which the streaming loader partitions, is kept), written under a
-temporary name and renamed when complete, so an interrupted preparation resumes with the files not
-yet written. Large inputs are transformed by a Ray Data pipeline on the cluster (blocks of files,
-each written by the task that reads it; only counts come back to the driver), small ones in the
-driver. Memory: one row group and its output, whatever the file's size.
+Each input file is read a row group at a time: each row group's output is one row group of the
+output file (the input's layout, which the streaming loader partitions, is kept). The dataset's key
+digests the inputs' listing (paths, sizes, modification times), the options and the source of the
+plug-in's module, so a changed input or function gives a new dataset. Memory: one row group and
+its output, whatever the file's size.
 
 `plan` makes every check a user can fail (paths, options, the function, the columns of its output
-on the first rows) without Ray and without writing anything; `prepare` does the work.
+on the first rows) without Ray and without writing anything; `TransformPlan.prepare` does the work.
 """
 
 from __future__ import annotations
@@ -26,18 +19,30 @@ import inspect
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from training import storage
-from training.config import DataConfig
-from training.data import parquet
-from training.data.parquet import ParquetOptions, TransformOptions
-from training.data.tokenize import FileTask, done_paths, is_done
-from training.errors import UserError
-from training.plugins import load_callable, one_line, plugin_module_paths
+from training.data.file_work import (
+    FilePlan,
+    FileTask,
+    do_file_tasks,
+    done_paths,
+    files_on_cluster,
+    index_output,
+    output_manifest,
+    temporary_path,
+)
+from training.data.files import DataFile, digest, listed_for
+from training.data.manifest import Manifest, cached
+from training.data.parquet_index import Columns
+from training.data.source import DataCheck
+from training.errors import DataError, UserError, first_line, one_line
+from training.plugins import load_callable, plugin_module_paths
+from training.schema import Section
 
 FIELD = "data.options.transform.function"
 TRANSFORM_FORMAT = 1
@@ -45,7 +50,23 @@ PREFIX = "transform"
 CHECK_ROWS = 64  # rows of the first input file the function is tried on before anything is written
 
 
-class TransformError(ValueError):
+class TransformOptions(Section):
+    # A plug-in "package.module:function" run on the input before training: per batch, it takes a
+    # pyarrow.Table (one row group of a file, with the file's Hive partition values as string
+    # columns) and returns a pyarrow.Table, a pandas DataFrame or a dict of columns; per row, it
+    # takes a dict and returns a dict, or None to leave the row out.
+    function: str
+    per: Literal["batch", "row"] = "batch"
+    # Keyword arguments to the function.
+    options: dict[str, Any] = Field(default_factory=dict)
+    # The input columns the function reads (default: all).
+    columns: Optional[list[str]] = None
+    # Where it runs: a Ray Data pipeline on the cluster (auto: once the files to transform hold
+    # 32 MB), or the driver a file at a time.
+    run_on: Literal["auto", "cluster", "driver"] = "auto"
+
+
+class TransformError(DataError):
     """The function failed on, or returned something unusable for, a named file, or the file is not
     what the options say (what to do); `field`: the option to name."""
 
@@ -54,50 +75,52 @@ class TransformError(ValueError):
         self.field = field
 
 
-def plugin_specs(data: DataConfig) -> list[str]:
-    """The transform's function, for the plug-ins shipped to the cluster (none: no transform)."""
-    transform = (data.options or {}).get("transform") if data.source == "parquet" else None
-    return [transform["function"]] if isinstance(transform, dict) and transform.get("function") else []
-
-
 @dataclass(frozen=True)
-class TransformPlan:
-    options: ParquetOptions
-    inputs: dict[str, list[parquet.DataFile]]  # split -> input files
-    root: str
+class TransformPlan(FilePlan):
+    options: Any  # the source's ParquetOptions (its transform set)
+    columns: Columns  # what the task reads of the function's output
 
     @property
     def transform(self) -> TransformOptions:
         return self.options.transform
 
-    def folder(self, split: str) -> str:
-        return storage.join(self.root, split)
-
-    def tasks(self) -> list[FileTask]:
-        """The files not yet transformed."""
-        return [FileTask(f.uri, "parquet", self.folder(split)) for split, files in self.inputs.items() for f in files
-                if not is_done(self.folder(split), f.uri)]
-
     def partitions(self) -> dict[str, dict[str, str]]:
         return {f.uri: f.partition for files in self.inputs.values() for f in files}
 
-    def prepared(self) -> bool:
-        from training.data.prepare import MANIFEST
+    changed_message = ("the input data or the transform's module changed since the run started (a file new, "
+                       "gone, or with another size or modification time; other code in the function's module): "
+                       "resuming would train on other rows; restore them, or start a new run (--name)")
 
-        return storage.exists(storage.join(self.root, MANIFEST))
-
-
-def _listing(options: ParquetOptions) -> dict[str, list[parquet.DataFile]]:
-    try:
-        train = parquet.list_files(options.path, options.filter)
-        if options.validation_path is not None:
-            return {"train": train, "validation": parquet.list_files(options.validation_path, options.filter)}
-        chosen = parquet.validation_files(train, options.validation_fraction)
-    except parquet.DataError as exc:
-        raise UserError(f"data.options.path: {exc}") from None
-    except OSError as exc:
-        raise UserError(f"data.options.path: {str(exc).splitlines()[0][:300]}") from None
-    return {"train": [f for f in train if f.uri not in chosen], "validation": [f for f in train if f.uri in chosen]}
+    def prepare(self, check: Optional[DataCheck], log: Callable[[str], None]) -> Manifest:
+        """The Manifest of the transformed data (cached by key; resumed file by file if interrupted)."""
+        manifest = cached(self.root, check, log, "transformed data ready")
+        if manifest is not None:
+            return manifest
+        tasks = self.tasks()
+        work = do_file_tasks(self, tasks, "transforming", in_driver=lambda: transform_in_driver(tasks, self),
+                             on_cluster=lambda sizes: transform_on_cluster(tasks, sizes, self), log=log)
+        if work.error:
+            raise UserError(f"{work.error.get('field', FIELD)}: {work.error['error']}")
+        if tasks:
+            rows_in, rows = sum(r["rows_in"] for r in work.results), sum(r["rows"] for r in work.results)
+            log(f"data: transformed {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) with "
+                f"{self.transform.function} in {work.elapsed_s:.1f} s {work.how}: {rows_in} rows in, {rows} out "
+                f"({rows_in / max(work.elapsed_s, 1e-9):.0f} rows/s)")
+        index = index_output(self, self.columns, lambda split: UserError(
+            f"{FIELD}: its output for the {split} split has no row ({len(self.inputs[split])} files in); a function "
+            "that leaves every row out trains on nothing"), lambda problem: f"{FIELD}: its output: {problem}")
+        if check is not None:
+            check(index["task"], index["spec"], {name: split["rows"] for name, split in index["splits"].items()})
+        index_options = self.options.model_copy(update={
+            "path": self.folder("train"), "filter": {}, "transform": None, "validation_path": self.folder("validation"),
+            "validation_fraction": None})
+        manifest = output_manifest(self, "parquet", index, index_options.model_dump(mode="json"), origin={
+            "path": self.options.path, "validation_path": self.options.validation_path,
+            "transform": self.transform.function,
+            "inputs": digest(self.inputs["train"] + self.inputs["validation"])})
+        log(f"data: transformed data prepared at {self.root} ({manifest.rows('train')} train, "
+            f"{manifest.rows('validation')} validation rows)")
+        return manifest
 
 
 def code_digest(spec: str) -> str:
@@ -110,26 +133,25 @@ def code_digest(spec: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-def plan(data: DataConfig, cache_root: str) -> TransformPlan:
-    """Every check a user can fail, without Ray and without writing anything; where the data goes."""
-    from training.data.external import options_of
-
-    options = options_of(data)
+def plan_transform(options, columns: Columns, cache_root: str) -> TransformPlan:
+    """Every check a user can fail, without Ray and without writing anything; where the data goes.
+    `options`: the parquet source's options, with a transform."""
     function = load_callable(options.transform.function, FIELD)
-    inputs = _listing(options)
+    inputs = listed_for("data.options.path", options.listing).splits
     first = next((f for f in inputs["train"] if f.size), inputs["train"][0])
     try:
-        check_output(try_on_first_rows(first, options.transform, function), options.columns(), first.uri)
+        check_output(try_on_first_rows(first, options.transform, function), columns.read(), first.uri)
     except TransformError as exc:
         raise UserError(f"{exc.field}: {exc}") from None
-    ident = json.dumps({"format": TRANSFORM_FORMAT, "options": options.model_dump(mode="json", exclude={"transform": {"run_on"}}),
-                        "code": code_digest(options.transform.function), "train": parquet.digest(inputs["train"]),
-                        "validation": parquet.digest(inputs["validation"])}, sort_keys=True)
+    ident = json.dumps({"format": TRANSFORM_FORMAT,
+                        "options": options.model_dump(mode="json", exclude={"transform": {"run_on"}}),
+                        "code": code_digest(options.transform.function), "train": digest(inputs["train"]),
+                        "validation": digest(inputs["validation"])}, sort_keys=True)
     root = storage.join(cache_root, f"{PREFIX}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
-    return TransformPlan(options, inputs, root)
+    return TransformPlan(inputs, root, options.transform.run_on, options, columns)
 
 
-def try_on_first_rows(file: parquet.DataFile, transform: TransformOptions, function: Callable) -> pa.Table:
+def try_on_first_rows(file: DataFile, transform: TransformOptions, function: Callable) -> pa.Table:
     """The function's output on the first rows of `file` (a bad file or function: TransformError)."""
     with _open(file.uri) as handle:
         reader = _parquet_file(handle, file.uri)
@@ -205,7 +227,7 @@ def _parquet_file(handle, uri: str) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(handle)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise TransformError(f"{uri} is not a readable Parquet file: {str(exc).splitlines()[0][:200]}",
+        raise TransformError(f"{uri} is not a readable Parquet file: {first_line(exc, 200)}",
                              "data.options.path") from None
 
 
@@ -223,7 +245,7 @@ def transform_file(task: FileTask, partition: dict[str, str], transform: Transfo
     {"error": message} (nothing of this file is left behind then)."""
     final, empty = done_paths(task.folder, task.uri)
     fs, _ = storage.filesystem(final)
-    _, tmp_path = storage.filesystem(storage.join(task.folder, "." + final.rsplit("/", 1)[-1] + ".tmp"))
+    _, tmp_path = storage.filesystem(temporary_path(task.folder, task.uri))
     fs.create_dir(storage.filesystem(task.folder)[1], recursive=True)
     counts = {"uri": task.uri, "rows_in": 0, "rows": 0, "row_groups": 0}
     writer = None
@@ -274,7 +296,7 @@ def _conform(out: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
 
 def transform_in_driver(tasks: list[FileTask], plan_: TransformPlan) -> list[dict]:
     function = load_callable(plan_.transform.function, FIELD)
-    partitions, columns = plan_.partitions(), plan_.options.columns()
+    partitions, columns = plan_.partitions(), plan_.columns.read()
     results = []
     for task in tasks:
         results.append(transform_file(task, partitions[task.uri], plan_.transform, columns, function))
@@ -284,11 +306,8 @@ def transform_in_driver(tasks: list[FileTask], plan_: TransformPlan) -> list[dic
 
 
 def transform_on_cluster(tasks: list[FileTask], sizes: dict[str, int], plan_: TransformPlan) -> list[dict]:
-    """Each file transformed by a Ray Data task on any node (see prepare.files_on_cluster)."""
-    from training.data.prepare import files_on_cluster
-
-    partitions, transform, columns = plan_.partitions(), plan_.transform, plan_.options.columns()
-
+    """Each file transformed by a Ray Data task on any node (see file_work.files_on_cluster)."""
+    partitions, transform, columns = plan_.partitions(), plan_.transform, plan_.columns.read()
     function = load_callable(transform.function, FIELD)
 
     def work(block: list[FileTask]) -> list[dict]:
@@ -297,7 +316,7 @@ def transform_on_cluster(tasks: list[FileTask], sizes: dict[str, int], plan_: Tr
     # The function travels with the tasks by value when its module is local source (not installed):
     # the tasks then need nothing shipped, whoever opened this Ray session (the run ships its
     # plug-ins when it starts Ray; a session opened before, by a notebook or a test, may not have).
-    from ray import cloudpickle
+    from ray import cloudpickle  # (Ray: only once a cluster is up to transform on)
 
     module = sys.modules[function.__module__]
     by_value = bool(plugin_module_paths(transform.function)) and function.__module__ != "__main__"
@@ -308,74 +327,3 @@ def transform_on_cluster(tasks: list[FileTask], sizes: dict[str, int], plan_: Tr
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)
-
-
-def wants_cluster(plan_: TransformPlan) -> bool:
-    from training.data.prepare import decide_where, pending_bytes
-
-    if plan_.prepared():
-        return False
-    return decide_where(plan_.transform.run_on, pending_bytes(plan_.inputs, plan_.tasks()), cluster_up=True) == "cluster"
-
-
-def check_unchanged(recorded_root: Optional[str], data: DataConfig, cache_root: str,
-                    transform_plan: Optional[TransformPlan] = None) -> None:
-    """A resumed run's input and function must be those it started with: they give the same key."""
-    if not recorded_root:
-        return
-    from training.data.prepare import same_dataset
-
-    if not same_dataset(recorded_root, (transform_plan or plan(data, cache_root)).root):
-        raise UserError("data.options.path: the input data or the transform's module changed since the run started (a file "
-                        "new, gone, or with another size or modification time; other code in the function's module): "
-                        "resuming would train on other rows; restore them, or start a new run (--name)")
-
-
-def prepare(data: DataConfig, cache_root: str, log: Callable[[str], None] = print, check=None,
-            transform_plan: Optional[TransformPlan] = None):
-    """The Manifest of the transformed data (cached by key; resumed file by file if interrupted)."""
-    from training.data.external import SOURCE
-    from training.data.prepare import MANIFEST, Manifest, cached, do_file_tasks
-
-    transform_plan = transform_plan or plan(data, cache_root)
-    options = transform_plan.options
-    manifest = cached(transform_plan.root, check, log, "transformed data")
-    if manifest is not None:
-        return manifest
-    tasks = transform_plan.tasks()
-    work = do_file_tasks(transform_plan.inputs, tasks, options.transform.run_on, "transforming",
-                         in_driver=lambda: transform_in_driver(tasks, transform_plan),
-                         on_cluster=lambda sizes: transform_on_cluster(tasks, sizes, transform_plan), log=log)
-    if work.error:
-        raise UserError(f"{work.error.get('field', FIELD)}: {work.error['error']}")
-    if tasks:
-        rows_in, rows = sum(r["rows_in"] for r in work.results), sum(r["rows"] for r in work.results)
-        log(f"data: transformed {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) with "
-            f"{options.transform.function} in {work.elapsed_s:.1f} s {work.how}: {rows_in} rows in, {rows} out "
-            f"({rows_in / max(work.elapsed_s, 1e-9):.0f} rows/s)")
-    index_options = options.model_copy(update={"path": transform_plan.folder("train"), "filter": {}, "transform": None,
-                                               "validation_path": transform_plan.folder("validation"),
-                                               "validation_fraction": None})
-    for split in ("train", "validation"):
-        try:
-            parquet.list_files(transform_plan.folder(split))
-        except parquet.DataError:
-            raise UserError(f"{FIELD}: its output for the {split} split has no row ({len(transform_plan.inputs[split])} "
-                            "files in); a function that leaves every row out trains on nothing") from None
-    try:
-        index = parquet.build_index(index_options)
-    except parquet.DataError as exc:
-        raise UserError(f"{FIELD}: its output: {exc}") from None
-    if check is not None:
-        check(index["task"], index["spec"], {name: split["rows"] for name, split in index["splits"].items()})
-    manifest = Manifest(root=transform_plan.root, source=SOURCE, options=index_options.model_dump(mode="json"),
-                        task=index["task"], spec=index["spec"], splits=index["splits"], schema=index["schema"],
-                        digest=index["digest"],
-                        origin={"path": options.path, "validation_path": options.validation_path,
-                                "transform": options.transform.function, "inputs": parquet.digest(
-                                    transform_plan.inputs["train"] + transform_plan.inputs["validation"])})
-    storage.write_text(storage.join(transform_plan.root, MANIFEST), manifest.to_json())
-    log(f"data: transformed data prepared at {transform_plan.root} ({manifest.rows('train')} train, "
-        f"{manifest.rows('validation')} validation rows)")
-    return manifest
-

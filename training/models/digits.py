@@ -1,14 +1,16 @@
-"""Small classifiers for the digits data (8x8 images as 64 features)."""
+"""The built-in `digits_mlp` and `digits_cnn` families: small classifiers for the digits data (8x8
+images as 64 features). Their networks: training/models/digits_nn.py."""
 
 from __future__ import annotations
 
-import math
+from typing import Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
+from training.errors import UserError
+from training.models.family import ModelFamily, ModelSection
 from training.schema import Section
+from training.tasks import CLASSIFICATION
 
 
 class MLPOptions(Section):
@@ -21,35 +23,39 @@ class CNNOptions(Section):
     dropout: float = Field(0.1, ge=0, lt=1)
 
 
-def build_mlp(spec: dict, options: MLPOptions) -> nn.Module:
-    layers: list[nn.Module] = []
-    width = spec["input_dim"]
-    for hidden in options.hidden:
-        layers += [nn.Linear(width, hidden), nn.GELU(), nn.Dropout(options.dropout)]
-        width = hidden
-    layers.append(nn.Linear(width, spec["num_classes"]))
-    return nn.Sequential(*layers)
+class MLPModel(ModelSection):
+    name: Literal["digits_mlp"] = "digits_mlp"
+    options: MLPOptions = Field(default_factory=MLPOptions)
 
 
-class SquareImageCNN(nn.Module):
-    def __init__(self, side: int, num_classes: int, channels: list[int], dropout: float):
-        super().__init__()
-        self.side = side
-        blocks: list[nn.Module] = []
-        in_channels = 1
-        for out_channels in channels:
-            blocks += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.GELU()]
-            in_channels = out_channels
-        blocks += [nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(dropout),
-                   nn.Linear(in_channels * 4, num_classes)]
-        self.net = nn.Sequential(*blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x.view(-1, 1, self.side, self.side))
+class CNNModel(ModelSection):
+    name: Literal["digits_cnn"] = "digits_cnn"
+    options: CNNOptions = Field(default_factory=CNNOptions)
 
 
-def build_cnn(spec: dict, options: CNNOptions) -> nn.Module:
-    side = math.isqrt(spec["input_dim"])
-    if side * side != spec["input_dim"]:
-        raise ValueError(f"digits_cnn needs square images; input_dim is {spec['input_dim']}")
-    return SquareImageCNN(side, spec["num_classes"], list(options.channels), options.dropout)
+class MLP(ModelFamily):
+    name = "digits_mlp"
+    Config = MLPModel
+    tasks = (CLASSIFICATION.name,)
+
+    def build(self, section: MLPModel, spec: dict):
+        from training.models.digits_nn import build_mlp  # (torch: see training/models/family.py)
+
+        return build_mlp(spec, section.options)
+
+
+class CNN(ModelFamily):
+    name = "digits_cnn"
+    Config = CNNModel
+    tasks = (CLASSIFICATION.name,)
+
+    def build(self, section: CNNModel, spec: dict):
+        from training.models.digits_nn import build_cnn  # (torch: see training/models/family.py)
+
+        try:
+            return build_cnn(spec, section.options)
+        except ValueError as exc:  # the data does not suit the model (non-square images)
+            raise UserError(f"model.name {self.name}: {exc}") from None
+
+
+MLP_FAMILY, CNN_FAMILY = MLP(), CNN()

@@ -1,17 +1,16 @@
-"""A decoder-only transformer (GPT-style) for byte-level language modelling, sized by a preset
-(tiny: ~0.4M parameters, a CPU laptop; small: ~19M; base: ~114M, a GPU) or by explicit options."""
+"""The built-in `gpt` family: a decoder-only transformer (GPT-style) for language modelling, sized by a
+preset (tiny: ~0.4M parameters, a CPU laptop; small: ~19M; base: ~114M, a GPU) or by explicit
+options. Its network: training/models/gpt_nn.py."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
-from torch import nn
 
+from training.models.family import ModelFamily, ModelSection
 from training.schema import Section
+from training.tasks import LANGUAGE_MODEL
 
 # Sizes by name; options given next to a preset override its values.
 PRESETS: dict[str, dict[str, int]] = {
@@ -42,72 +41,26 @@ class GPTOptions(Section):
         return self
 
 
-class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float):
-        super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.ln_1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model),
-                                 nn.Dropout(dropout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                   dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(attention.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp(self.ln_2(x))
+class GPTModel(ModelSection):
+    name: Literal["gpt"] = "gpt"
+    options: GPTOptions = Field(default_factory=GPTOptions)
 
 
-class GPT(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, options: GPTOptions):
-        super().__init__()
-        self.seq_len = seq_len
-        self.token_embedding = nn.Embedding(vocab_size, options.d_model)
-        self.position_embedding = nn.Embedding(seq_len, options.d_model)
-        self.blocks = nn.ModuleList(Block(options.d_model, options.n_head, options.dropout)
-                                    for _ in range(options.n_layer))
-        self.ln_f = nn.LayerNorm(options.d_model)
-        self.head = nn.Linear(options.d_model, vocab_size, bias=False)
-        self.head.weight = self.token_embedding.weight  # weight tying, as in GPT-2
-        # GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections into the
-        # residual stream scaled by 1/sqrt(2 * n_layer). (PyTorch's default N(0, 1) embedding, tied
-        # to the head, would start the logits at a standard deviation of about sqrt(d_model): a first
-        # loss of ~86 per token on a 2k vocabulary instead of ln(2048) = 7.6.)
-        self.apply(_init_weights)
-        for block in self.blocks:
-            for projection in (block.proj, block.mlp[2]):
-                nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * options.n_layer))
+class GPTFamily(ModelFamily):
+    name = "gpt"
+    Config = GPTModel
+    tasks = (LANGUAGE_MODEL.name,)
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # the tied head counted once
+    def build(self, section: GPTModel, spec: dict):
+        from training.models.gpt_nn import GPT  # (torch: see training/models/family.py)
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 per weight of every matrix multiply
-        (position embeddings are lookups, left out) plus the attention scores and their weighted
-        sum, 12 * n_layer * d_model * seq_len (PaLM, appendix B; causal masking not discounted)."""
-        d_model = self.token_embedding.embedding_dim
-        weights = self.num_params() - self.position_embedding.weight.numel()
-        return 6.0 * weights + 12.0 * len(self.blocks) * d_model * self.seq_len
+        return GPT(spec["vocab_size"], spec["seq_len"], section.options)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+    def blocks(self, model) -> list:
+        return list(model.blocks)
+
+    def flops_per_token(self, model) -> Optional[float]:
+        return model.flops_per_token()
 
 
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
-
-
-def build_gpt(spec: dict, options: GPTOptions) -> nn.Module:
-    return GPT(spec["vocab_size"], spec["seq_len"], options)
+FAMILY = GPTFamily()

@@ -10,19 +10,19 @@ never waits on a webhook; at the end it waits a few seconds for posts still in f
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Optional
 
 import ray.train
 
-from training import storage
+from training import storage, topics
 from training.adaptors.ray_private import controller_callback_base, controller_state_name
+from training.metrics import KEY_METRICS
 from training.observe.files import PROGRESS_FILE, write_json
-from training.observe.notify import KEY_METRICS, event_for_transition, run_message
+from training.observe.notify import event_for_transition, run_message
 from training.observe.webhook import Notifier
 
-log = logging.getLogger(__name__)
+log = topics.logger(topics.STATUS, __name__)
 
 
 class RunEvents:
@@ -85,7 +85,7 @@ class RunEvents:
             write_json(storage.join(self.run_dir, PROGRESS_FILE), self.progress())
             self._written_at = time.monotonic()
         except Exception as exc:  # the status command lags; training goes on
-            log.warning("status: could not write %s: %s", PROGRESS_FILE, exc)
+            log.warning("could not write %s: %s", PROGRESS_FILE, exc)
 
     def _step(self) -> Optional[int]:
         return int(self.latest["step"]) if "step" in self.latest else None

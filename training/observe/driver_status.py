@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from training import storage
+from training import storage, topics
 from training.observe.files import STATUS_FILE, read_status, write_json
 from training.redaction import redact
 
@@ -74,9 +74,9 @@ class DriverStatus:
             write_json(self.uri, self.record)
             if self._failing:
                 self._failing = False
-                self._warn(f"status: {redact(self.uri)} is written again")
+                self._warn(topics.line(topics.STATUS, f"{redact(self.uri)} is written again"))
         except Exception as exc:
             if not self._failing:
                 self._failing = True
-                self._warn(f"status: could not write {redact(self.uri)} ({type(exc).__name__}: "
-                           f"{redact(str(exc))[:200]}); training goes on, `python -m training status` may lag")
+                self._warn(topics.line(topics.STATUS, f"could not write {redact(self.uri)} ({type(exc).__name__}: "
+                           f"{redact(str(exc))[:200]}); training goes on, `python -m training status` may lag"))

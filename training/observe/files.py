@@ -46,7 +46,7 @@ def read_progress(run_dir: str) -> Optional[dict]:
 
 def checkpoints(run_dir: str) -> list[dict]:
     """Every checkpoint directory of a run, newest first: {name, step, complete}."""
-    from training.checkpoint import format as ckpt
+    from training.checkpoint import format as ckpt  # (lazy: torch)
 
     fs, base = storage.filesystem(run_dir)
     try:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from training.errors import ConfigError
+from training.metrics import KEY_METRICS
 
 RUN_EVENTS = ("finished", "failed", "preempted", "restarted")
 SWEEP_EVENTS = ("finished", "failed")  # a sweep's trials are runs that do not notify on their own
-KEY_METRICS = ("train_loss", "val_loss", "val_accuracy", "val_perplexity", "val_token_accuracy", "samples_per_s")
 
 _REFERENCE = re.compile(r"\$\{([^}]*)\}")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -12,12 +12,15 @@ import sys
 import time
 from typing import Callable, Optional
 
+import pyarrow.fs as pafs
+
 from training import storage
-from training.errors import UserError
+from training.errors import UserError, first_line
+from training.metrics import KEY_METRICS
 from training.observe import files
-from training.observe.notify import KEY_METRICS
 from training.observe.state import decide_state
 from training.redaction import redact
+from training.run.paths import base_dir
 
 EPILOG = """\
 examples:
@@ -104,15 +107,13 @@ def list_line(report: dict) -> str:
 
 
 def storage_of(value: str) -> str:
-    from training.run.paths import base_dir
 
     path = storage.absolute(value, base_dir())
     try:
         fs, base = storage.filesystem(path)
         found = fs.get_file_info(base)
     except (OSError, ValueError) as exc:
-        raise UserError(redact(f"--storage {value}: not reachable: {str(exc).splitlines()[0][:300]}")) from None
-    import pyarrow.fs as pafs
+        raise UserError(redact(f"--storage {value}: not reachable: {first_line(exc)}")) from None
 
     if found.type == pafs.FileType.NotFound and not storage.is_remote(path):
         raise UserError(f"--storage {value}: {path} does not exist; pass the runs' checkpoint.storage_path")

@@ -21,6 +21,10 @@ import time
 import warnings
 from typing import Callable, Optional
 
+import psutil
+
+from training.adaptors import mlflow_private
+
 SYSTEM_KEY = "system"  # the reported metrics' key for the samples since the last report
 MAX_HELD = 360  # samples a worker holds for its next report (an hour at 10 s); the oldest go first
 
@@ -35,7 +39,6 @@ class Throughput:
     and totals, not rates)."""
 
     def __init__(self):
-        import psutil
 
         self._psutil = psutil
         self._last = self._read()
@@ -69,9 +72,7 @@ def _mlflow_monitor(cls) -> Callable[[], dict]:
 def node_monitors() -> list[tuple[str, Callable[[], dict]]]:
     """MLflow's monitors for a node (the GPU's only where NVML is installed and finds a GPU), and
     the throughput one."""
-    import psutil
 
-    from training.adaptors import mlflow_private
 
     psutil.cpu_percent()  # the first call starts the count that the CPU monitor's first sample reads
     monitors = [(name, _mlflow_monitor(cls)) for name, cls in mlflow_private.node_monitor_classes()]
@@ -87,7 +88,6 @@ WORKER_MONITOR = "worker"  # the monitor whose values are this worker's own, not
 
 
 def process_monitor(rank: int) -> tuple[str, Callable[[], dict]]:
-    import psutil
 
     process = psutil.Process(os.getpid())
     return WORKER_MONITOR, lambda: {f"worker_{rank}_rss_megabytes": round(process.memory_info().rss / 1e6, 1)}

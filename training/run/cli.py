@@ -11,6 +11,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from training import config as config_lib
+from training import storage
+from training.errors import UserError, exit_code
+from training.observe.status_cli import main as status_main
+from training.run.console import RunLog, console_log, opening_line
+from training.run.driver import run_training
+from training.run.paths import base_dir, default_run_name, resolve_paths
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
 
 EPILOG = """\
@@ -42,12 +50,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["status"]:  # `python -m training status [RUN]`: how a run in storage is doing
-        from training.observe.status_cli import main as status_main
 
         return status_main(argv[1:])
     args = parser().parse_args(argv)
-    from training import config as config_lib
-    from training.errors import UserError, exit_code
 
     config_path = args.config or str(DEFAULT_CONFIG)
     try:
@@ -58,10 +63,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.print_config:
         print(config_lib.to_yaml(job), end="", flush=True)
         return 0
-    from training import storage
-    from training.run.console import RunLog, console_log, opening_line
-    from training.run.driver import run_training
-    from training.run.paths import base_dir, default_run_name, resolve_paths
 
     job = job.model_copy(update={"name": job.name or default_run_name(config_path)})
     paths = resolve_paths(job, job.name)

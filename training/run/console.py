@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import io
+import logging
 import re
 import sys
 import warnings
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
+from training import topics
 from training.redaction import redact
+from training.topics import TOPICS
 
 # Ray prefixes each line it forwards from a worker process: "(<actor or task> pid=N[, ip=A]) ",
 # in colour codes unless RAY_COLOR_PREFIX=0 (see ray._private.worker.print_worker_logs).
@@ -34,8 +37,8 @@ THIRD_PARTY_PACKAGES = ("ray", "mlflow", "torch", "pydantic", "google", "opentel
 # MLflow's registry printing what the run's summary says again).
 NOISE = ("Failed to query Ray Train Controller actor state", "Successfully registered model '", "Created version '")
 # This project's own warnings, which the Train controller writes to its stderr (training/tracking,
-# training/observe): the user's to act on, so shown.
-OWN_WARNINGS = ("tracking: ", "notify: ", "status: ")
+# training/observe), each starting with its topic: the user's to act on, so shown.
+OWN_WARNINGS = tuple(topics.line(topic, "") for topic in TOPICS)
 # Ray's and MLflow's own log records below ERROR, in their formats ("2026-12-03 07:09:30,458\tWARNING
 # node.py:438 -- ...", "2026/12/03 07:08:58 WARNING mlflow.pytorch: ..."): their internals, in the log file.
 _LIBRARY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?:DEBUG|INFO|WARNING) \S+\.py:\d+ -- "
@@ -210,7 +213,6 @@ def console_log(log: RunLog, router: ConsoleRouter = ConsoleRouter()) -> Iterato
 def _move_handlers(new_stream_for: dict) -> list:
     """Point every logging StreamHandler on one of the old streams (by id) at its new stream; returns
     (handler, old stream) to put back. Handlers added later find sys.stdout/sys.stderr as they are."""
-    import logging
 
     loggers = [logging.getLogger()] + [value for value in logging.Logger.manager.loggerDict.values()
                                        if isinstance(value, logging.Logger)]

@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from cluster.config import load_and_prepare
+from cluster.cost import estimate_run, node_costs
+from cluster.prices import load_price_table
+
 
 def cluster_config_path(configured: Optional[str]) -> Optional[str]:
     path = configured or os.environ.get("TRAINING_CLUSTER_CONFIG")
@@ -26,9 +30,6 @@ def gpu_nodes(world_size: int, use_gpu: bool) -> int:
 def estimate_cost_metrics(cluster_config: str, wall_s: float, gpu_nodes: int) -> dict[str, float]:
     """{cluster_cost_usd_estimate, cluster_gpu_energy_kwh_estimate} for a run of wall_s seconds on
     the head and gpu_nodes GPU nodes of that cluster, filled as the autoscaler prefers (spot first)."""
-    from cluster.config import load_and_prepare
-    from cluster.cost import estimate_run, node_costs
-    from cluster.prices import load_price_table
 
     _, config = load_and_prepare(cluster_config)
     costs, _ = node_costs(config, load_price_table())

@@ -1,5 +1,5 @@
-"""One training run from the driver: check the job, prepare its data, open its MLflow run, join or
-start Ray, fit a TorchTrainer, then log the final model and a summary.
+"""One training run from the driver: check the job, plan and prepare its data, join or start Ray,
+open its MLflow run, fit a TorchTrainer, then log the final model and a summary.
 
 Everything a user can get wrong is checked before Ray starts (UserError, exit code 2).
 """
@@ -14,13 +14,23 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from training import config as config_lib
-from training import storage
+from training import storage, topics
 from training.config import JobConfig
-from training.errors import RunFailed, UserError
+from training.data.registry import source_of
+from training.errors import RunFailed, UserError, last_line
+from training.models.registry import family_of
+from training.observe import notify
 from training.observe.system import SYSTEM_KEY
 from training.redaction import redact
+from training.run import preflight
+from training.run.fit import fit
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
-from training.run.record import RunRecord
+from training.run.record import Record
+from training.run.resources import maximum_resources, worker_resources
+from training.run.session import check_cluster_to_join, ray_session
+from training.tracking.backlog import replay_backlogs
+from training.tracking.datasets import log_datasets
+from training.tracking.tracker import RUN_NAME_TAG, MlflowTracker, NullTracker
 
 RUN_FILE = "run.json"
 
@@ -53,11 +63,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     `mlflow_run_id`, an MLflow run to continue when the run has no record yet; `mlflow_tags`,
     extra tags (`mlflow.parentRunId` nests the run). `started` is called once the checks have
     passed and the run begins (its log file may be opened then: bad input writes nothing)."""
-    from training.run import preflight
-    from training.run.resources import maximum_resources
-    from training.run.session import check_cluster_to_join, ray_session
 
-    from training.observe import notify
 
     started_s = time.monotonic()
     timings = {"start": time.time()}  # wall-clock marks of a run's phases, for cold-start measurements
@@ -66,37 +72,28 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     job = job.model_copy(update={"name": name})
     paths = resolve_paths(job, name)
     record_uri = storage.join(paths.run_dir, RUN_FILE)
-    record = RunRecord.read(record_uri, name, f"checkpoint.storage_path {redact(paths.storage_path)}")
+    record = Record.read(record_uri, name, f"checkpoint.storage_path {redact(paths.storage_path)}")
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
     preflight.check_tracking(job, paths, record)
-    from training.data import text, transform
-    from training.data.prepare import plan_input, wants_cluster
-
-    # Text to tokenize or Parquet to transform is planned once: its input listed and checked (paths,
-    # options, tokenizer or function, splits), without Ray.
-    planned = plan_input(job.data, paths.data_cache)
-    if record is not None and record.dataset:  # data read in place must be what the run started on
-        from training.data.external import check_unchanged
-
-        check_unchanged(record.dataset.get("root"), job.data.options)
-        if isinstance(planned, text.TextPlan):  # and text to tokenize must be the text it was tokenized from
-            text.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache, planned)
-        elif isinstance(planned, transform.TransformPlan):  # and data to transform, its data and function
-            transform.check_unchanged(record.dataset.get("root"), job.data, paths.data_cache, planned)
+    # The data is planned once: its input listed and checked (paths, options, tokenizer or function,
+    # splits), without Ray; a resumed run's, against what it started on.
+    plan = source_of(job.data.source).plan(job.data, paths.data_cache)
+    if record is not None and record.dataset:
+        plan.check_unchanged(record.dataset.get("root"))
     largest = maximum_resources()  # None: no launcher config on this machine
     checks = preflight.job_checks(job, paths)
     # What is prepared on the cluster is prepared inside the Ray session the fit then uses; the
     # job's checks on the data (rows, the model's shapes) run once it is prepared.
-    on_cluster = wants_cluster(planned)
-    manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log, planned)
+    on_cluster = plan.wants_cluster()
+    manifest = None if on_cluster else preflight.prepare_checked(job.data, paths, checks, log, plan)
     # (after the checks above, which import no Ray: a leftover local cluster, or a RAY_ADDRESS, that
     # cannot be joined)
     check_cluster_to_join()
     with ExitStack() as session:
         if on_cluster:
             session.enter_context(ray_session(*plugin_specs(job)))
-            manifest = preflight.prepare_checked(job.data, paths, checks, log, planned)
+            manifest = preflight.prepare_checked(job.data, paths, checks, log, plan)
         return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
                     initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 
@@ -104,25 +101,20 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
 def plugin_specs(job: JobConfig) -> list[str]:
     """The job's plug-ins that Ray ships to the cluster when they are local source: the model's, the
     data source's, the data transform's."""
-    from training.data import transform
-
-    return [job.model.name, job.data.source, *transform.plugin_specs(job.data)]
+    return [*family_of(job.model.name).plugins(job.model), *source_of(job.data.source).plugins(job.data)]
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
          initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
-    from training.run import trainer
-    from training.run.finalize import finalize
-    from training.run.resources import worker_resources
-    from training.run.session import ray_session
+    from training.run.finalize import finalize  # (lazy: torch)
 
     timings["data_ready"] = time.time()
     # Ray joined (or started) first: a cluster that cannot be joined (a wrong RAY_ADDRESS, no token)
     # is refused before the run writes anything or starts its MLflow run.
     with ray_session(*plugin_specs(job)):
-        import ray
+        import ray  # (lazy: ray)
 
         timings["ray_ready"] = time.time()
         tracker, watch = _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags,
@@ -130,7 +122,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
         timings["tracking_ready"] = time.time()
         try:
             workers = worker_resources(job.scaling, ray.cluster_resources(), largest)
-            result = trainer.fit(job, paths, manifest.root, tracker, workers,
+            result = fit(job, paths, manifest.root, tracker, workers,
                                  callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
         except KeyboardInterrupt:
             tracker.finish("KILLED")
@@ -145,7 +137,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     metrics = dict(result.metrics or {})
     metrics.pop(SYSTEM_KEY, None)  # rank 0's last system-metric samples: logged by the controller already
     if not metrics and result.checkpoint is not None:
-        from training.checkpoint.format import metrics_of
+        from training.checkpoint.format import metrics_of  # (lazy: torch)
 
         metrics = metrics_of(result.checkpoint.filesystem, result.checkpoint.path)
     summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(metrics.get("step", 0)),
@@ -168,7 +160,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
 def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags, targets, on_start):
     """The run begins: its log, its MLflow run (with its dataset and tokenizer, when new), its record
     and config in storage, and the watch that posts and records its progress."""
-    from training.observe.run_watch import RunWatch
+    from training.observe.run_watch import RunWatch  # (lazy: ray.train)
 
     if on_start is not None:
         on_start()
@@ -176,36 +168,28 @@ def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, m
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     if record is None:
         if job.tracking.enabled:
-            from training.tracking.datasets import log_datasets
 
             log_datasets(tracker, manifest, log)
-            if job.data.source == "text":
-                from training.data.tokenizer import log_tokenizer
-
-                log_tokenizer(tracker, manifest, log)
-        RunRecord(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
+            source_of(job.data.source).track(tracker, manifest, log)
+        Record(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
                   dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
     return tracker, RunWatch.start(name, paths, tracker, targets, log)
 
 
 def _error_line(exc: BaseException) -> str:
-    from training.run.trainer import root_cause
-
-    return redact(root_cause(exc) if not isinstance(exc, RunFailed) else str(exc))[:500]
+    return last_line(exc) if not isinstance(exc, RunFailed) else redact(str(exc))[:500]
 
 
-def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord], name: str,
+def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[Record], name: str,
                    run_id: Optional[str] = None, extra_tags: Optional[dict] = None):
     """The run's tracker: its MLflow run continued (a resume) or created, with the job's params and
     tags; the backlogs of earlier runs in the same storage delivered. UserError if MLflow is away."""
-    from training.tracking.backlog import replay_backlogs
-    from training.tracking.tracker import RUN_NAME_TAG, MlflowTracker, NullTracker
 
     if not job.tracking.enabled:
         return NullTracker()
-    import ray
-    import torch
+    import ray  # (lazy: ray)
+    import torch  # (lazy: torch)
 
     tags = {RUN_NAME_TAG: name, "git_commit": git_commit(), "ray_version": ray.__version__,
             "torch_version": torch.__version__, "world_size": str(job.scaling.num_workers),
@@ -217,7 +201,7 @@ def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[RunRecord],
                                       config_lib.flatten(job), artifact_location=artifact_location(paths, job),
                                       run_dir=paths.run_dir)
     except Exception as exc:
-        raise UserError(redact(f"tracking: cannot reach MLflow at {paths.tracking_uri}: {exc}")) from None
+        raise UserError(redact(topics.line(topics.TRACKING, f"cannot reach MLflow at {paths.tracking_uri}: {exc}"))) from None
     tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
     replay_backlogs(paths.storage_path, tracker)  # what MLflow missed while it was away, this run's included
     return tracker

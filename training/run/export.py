@@ -14,7 +14,7 @@ def export_onnx(model: torch.nn.Module, sample: torch.Tensor, path: str | Path,
     """Export `model` (eval mode, one input tensor, batch dimension dynamic) to `path` and run the
     file with onnxruntime on `sample` and on a batch of another size; raises ValueError when the
     outputs differ from PyTorch's beyond the tolerance. Returns what was checked."""
-    import onnxruntime
+    import onnxruntime  # (lazy: onnxruntime)
 
     model = model.eval()
     dynamic = {0: "batch"} if sample.dim() == 2 and sample.dtype.is_floating_point else {0: "batch", 1: "sequence"}

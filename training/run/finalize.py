@@ -12,29 +12,31 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from training.checkpoint import format as ckpt
 from training import storage
+from training.checkpoint import format as ckpt
 from training.config import JobConfig
+from training.data.registry import source_of
+from training.metrics import KEY_METRICS, PLOTTED
+from training.models.registry import build_model, family_of
 from training.redaction import redact, redact_values
-from training.data.readers import split_rows
+from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 from training.run.export import export_onnx
-from training.models import build_model
-from training.plugins import is_import_string
-from training.tasks import model_input
+from training.tasks import TASKS, logits_of
 from training.tracking.tracker import fluent_mlflow
-
-CURVES = ("train_loss", "val_loss", "val_accuracy", "val_perplexity")
+from training.worker.profile import PROFILE_DIR
 
 
 def load_final_model(job: JobConfig, manifest, checkpoint) -> torch.nn.Module:
-    model = build_model(job.model.name, job.model.options, {"task": manifest.task, **manifest.spec})
+    model = build_model(job.model, {"task": manifest.task, **manifest.spec})
     with checkpoint.as_directory() as directory:  # a sharded (fsdp) checkpoint is consolidated here
         model.load_state_dict(ckpt.load_model_state(directory, model))
     return model.eval()
 
 
 def sample_input(manifest) -> torch.Tensor:
-    return model_input(manifest.task, split_rows(manifest, "validation").take(np.arange(min(4, manifest.rows("validation")))))
+    """A few validation rows, as the model takes them (a signature's example, an export's sample)."""
+    rows = source_of(manifest.source).rows(manifest, "validation").take(np.arange(min(4, manifest.rows("validation"))))
+    return TASKS[manifest.task].model_input({name: torch.from_numpy(column) for name, column in rows.items()})
 
 
 def registered_model_name(job: JobConfig) -> str:
@@ -47,13 +49,13 @@ def registered_model_name(job: JobConfig) -> str:
 def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict:
     """Log (and register) the final model in `tracking.model_format`: "pt2", a torch.export graph
     that loads without unpickling anything, or "pickle", opted into, for what cannot be exported."""
-    import mlflow
-    import mlflow.pytorch
-    from mlflow.models import infer_signature
+    import mlflow  # (lazy: mlflow)
+    import mlflow.pytorch  # (lazy: mlflow.pytorch)
+    from mlflow.models import infer_signature  # (lazy: mlflow)
 
     sample = sample_input(manifest)
     with torch.no_grad():
-        output = model(sample).numpy()
+        output = logits_of(model(sample)).numpy()
     signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
     name = registered_model_name(job) if job.tracking.register_model else None
     model_format = job.tracking.model_format
@@ -79,12 +81,12 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
 
 
 def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
-    import matplotlib
+    import matplotlib  # (lazy: matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (lazy: matplotlib)
 
-    histories = {key: tracker.client.get_metric_history(tracker.run_id, key) for key in CURVES}
+    histories = {key: tracker.client.get_metric_history(tracker.run_id, key) for key in PLOTTED}
     histories = {k: sorted(v, key=lambda m: m.step) for k, v in histories.items() if v}
     if "train_loss" not in histories:
         return False
@@ -137,7 +139,6 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
     checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
     model in its last checkpoint and the summary in its storage, and a warning says so."""
-    from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 
     remove_unregistered_checkpoints(result, summary.run_dir, log)
     cluster_config = cluster_config_path(job.tracking.cluster_config)
@@ -176,7 +177,6 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
 def log_profile_traces(tracker, run_dir: str, log) -> list[str]:
     """The torch.profiler traces the run's rank 0 wrote (train.profile) into MLflow, under profile/;
     a failure only warns (the traces stay in the run's storage)."""
-    from training.worker.profile import PROFILE_DIR
 
     fs, base = storage.filesystem(storage.join(run_dir, PROFILE_DIR))
     try:
@@ -201,7 +201,7 @@ def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary, log=
     summary.extra.update(logged)
     with tempfile.TemporaryDirectory() as tmp:
         export = job.tracking.export_onnx
-        if export or (export is None and not is_import_string(job.model.name)):  # default: built-in models
+        if export or (export is None and family_of(job.model.name).exports_onnx):  # default: built-in models
             try:
                 summary.extra.update(export_onnx(model, sample_input(manifest), Path(tmp) / "model.onnx"))
                 tracker.client.log_artifact(tracker.run_id, str(Path(tmp) / "model.onnx"), "onnx")
@@ -224,8 +224,7 @@ def summary_dict(summary) -> dict:
 
 
 def summary_lines(summary) -> list[str]:
-    shown = {k: v for k, v in summary.metrics.items()
-             if k in ("train_loss", "val_loss", "val_accuracy", "val_perplexity", "samples_per_s")}
+    shown = {k: summary.metrics[k] for k in KEY_METRICS if k in summary.metrics}
     lines = [f"run {summary.name} finished: {summary.steps} steps in {summary.wall_s:.0f} s"
              + (" (resumed)" if summary.resumed else ""),
              "  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),

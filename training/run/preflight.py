@@ -8,27 +8,33 @@ with a UserError (exit code 2), before a byte is written or a worker started.
 from __future__ import annotations
 
 import uuid
-from typing import Callable
+from typing import Callable, Optional
 
-from training import storage
-from training.config import DataConfig, JobConfig
-from training.errors import ConfigError, UserError
-from training.metrics import VALIDATION_METRICS
+from cluster.config import ConfigError as ClusterConfigError
+from cluster.config import load_cluster_yaml
+from training import storage, topics
+from training.config import JobConfig, check_profile_range
+from training.data.order import BatchPlan
+from training.data.registry import source_of
+from training.data.shards import changed_shard
+from training.data.source import DataCheck, DataPlan, DataSection
+from training.errors import ConfigError, UserError, first_line, one_line
+from training.models.registry import build_model, check_fits_task
 from training.redaction import redact
+from training.run.cost import cluster_config_path
 from training.run.paths import RunPaths
+from training.tasks import TASKS, logits_of
+from training.tracking.policy import SendPolicy
+from training.tracking.transport import MlflowTransport
 
-# (task, spec, rows per split) -> None; raises UserError
-DataCheck = Callable[[str, dict, dict], None]
 
-
-def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Callable[[str], None] = print,
-                    planned=None):
+def prepare_checked(data: DataSection, paths: RunPaths, check: DataCheck, log: Callable[[str], None] = print,
+                    plan: Optional[DataPlan] = None):
     """Prepare (or find cached) the job's data, running `check` on it first; the Manifest.
-    `planned`: the data's plan (training.data.prepare.plan_input), if made already."""
-    from training.data.prepare import prepare
-
+    `plan`: the data's plan, if made already."""
+    plan = plan or source_of(data.source).plan(data, paths.data_cache)
     try:
-        manifest = prepare(data, paths.data_cache, log=log, check=check, planned=planned)
+        manifest = plan.prepare(check, log)
     except ValueError as exc:  # (the model's and the plug-ins' own errors are UserErrors naming their field)
         raise UserError(f"data ({data.source}): {exc}") from None
     check_shards(manifest)
@@ -38,8 +44,6 @@ def prepare_checked(data: DataConfig, paths: RunPaths, check: DataCheck, log: Ca
 def check_shards(manifest) -> None:
     """UserError if a shard of the prepared data changed since it was prepared (its SHA-256 is in
     the manifest): the run would train on other data than its record says, and resume inexactly."""
-    from training.data.loader import changed_shard
-
     problem = changed_shard(manifest)
     if problem:
         raise UserError(f"data: the prepared dataset at {redact(manifest.root)} changed since it was prepared: "
@@ -50,9 +54,7 @@ def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
     """The checks of a training run, on its loaded data."""
 
     def check(task: str, spec: dict, rows: dict) -> None:
-        from training.models import check_model_fits_task
-
-        check_model_fits_task(job.model.name, task)
+        check_fits_task(job.model, task)
         check_model_builds(job, task, spec)
         check_metric_names(job, task)
         check_batch_fits(job, rows["train"])
@@ -73,14 +75,12 @@ def check_tracking(job: JobConfig, paths: RunPaths, record) -> None:
     uri = paths.tracking_uri
     if "://" not in uri or uri.startswith(("sqlite:", "file:")):
         return
-    from training.tracking.policy import SendPolicy
-    from training.tracking.transport import MlflowTransport
 
     try:
         MlflowTransport(uri, SendPolicy().attempt_timeout_s).check_reachable()
     except Exception as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise UserError(redact(f"tracking: cannot reach MLflow at {uri}: {reason}")) from None
+        reason = first_line(exc)
+        raise UserError(redact(topics.line(topics.TRACKING, f"cannot reach MLflow at {uri}: {reason}"))) from None
 
 
 def check_storage(paths: RunPaths) -> None:
@@ -95,7 +95,7 @@ def check_storage(paths: RunPaths) -> None:
 
 
 def check_metric(field: str, metric: str, task: str) -> None:
-    allowed = VALIDATION_METRICS[task]
+    allowed = TASKS[task].validation_metrics
     if metric not in allowed:
         raise ConfigError(f"{field}: {metric!r} is not a validation metric of {task} data; "
                           f"allowed: {', '.join(sorted(allowed))}")
@@ -111,8 +111,6 @@ def check_metric_names(job: JobConfig, task: str) -> None:
 
 def check_batch_fits(job: JobConfig, train_rows: int) -> None:
     """At least one global batch per epoch (the workers' own rule, asked here before they start)."""
-    from training.data.loader import BatchPlan
-
     try:
         BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
     except ValueError as exc:
@@ -124,48 +122,35 @@ def check_profile_fits(job: JobConfig, train_rows: int) -> None:
     within it (a run of max_steps is checked with its config)."""
     if job.train.profile is None or job.train.epochs is None:
         return
-    from training.config import check_profile_range
-    from training.data.loader import BatchPlan
-    from training.worker.optim import total_steps_of
-
-    steps = total_steps_of(job, BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows))
+    steps = job.train.total_steps(BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows))
     check_profile_range(job.train.profile, steps, f"train.epochs {job.train.epochs:g} of {train_rows} rows")
 
 
 def check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
     """Build the model on the meta device (no memory, any size): a plug-in that cannot be imported,
     rejects its options or returns something else fails here, before anything starts."""
-    import torch
-
-    from training.models import build_model
+    import torch  # (torch: once the data is known, not on the config path)
 
     with torch.device("meta"):
-        model = build_model(job.model.name, job.model.options, {"task": task, **spec})
+        model = build_model(job.model, {"task": task, **spec})
     check_model_shapes(job.model.name, model, task, spec)
 
 
-
-
-def check_model_shapes(name: str, model, task: str, spec: dict) -> None:
+def check_model_shapes(name: str, model, task_name: str, spec: dict) -> None:
     """One forward pass of two rows on the meta device (shapes only, no memory, no arithmetic):
     a model whose input width does not take the data's, or whose logits are not one per class (per
     token in the vocabulary), fails here rather than in the first step. Evaluation mode: dropout and
     other training-only paths are the first step's to run."""
-    import torch
+    import torch  # (torch: once the data is known, not on the config path)
 
-    from training.plugins import one_line
-
-    rows = 2
-    if task == "classification":
-        batch = torch.zeros(rows, spec["input_dim"], device="meta")
-        expected, unit = (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
-    else:
-        batch = torch.zeros(rows, spec["seq_len"], dtype=torch.int64, device="meta")
-        expected, unit = (rows, spec["seq_len"], spec["vocab_size"]), f"vocab_size {spec['vocab_size']}"
+    task, rows = TASKS[task_name], 2
+    shape, dtype = task.sample(spec, rows)
+    batch = torch.zeros(shape, dtype=getattr(torch, dtype), device="meta")
+    expected, unit = task.logits_shape(spec, rows)
     model.eval()
     try:
         with torch.no_grad(), torch.device("meta"):  # (tensors the forward creates are meta tensors too)
-            logits = model(batch)
+            output = model(batch)
     except NotImplementedError:
         return
     except (Exception, SystemExit) as exc:
@@ -173,9 +158,12 @@ def check_model_shapes(name: str, model, task: str, spec: dict) -> None:
             return              # shapes are left to the first step
         raise UserError(f"model.name {name}: a forward pass on {rows} rows shaped like the data "
                         f"({list(batch.shape)}) fails: {one_line(exc)}; does the model take the data's "
-                        f"{'input_dim ' + str(spec['input_dim']) if task == 'classification' else 'seq_len'}?") from None
-    if not isinstance(logits, torch.Tensor):
-        raise UserError(f"model.name {name}: forward returns {type(logits).__name__}, not a tensor of logits")
+                        f"{'input_dim ' + str(spec['input_dim']) if 'input_dim' in spec else 'seq_len'}?") from None
+    try:
+        logits = logits_of(output)
+    except TypeError:
+        raise UserError(f"model.name {name}: forward returns {type(output).__name__}, not a tensor of logits "
+                        "or an object with .logits") from None
     if tuple(logits.shape) != expected:
         raise UserError(f"model.name {name}: forward on input {list(batch.shape)} returns logits of shape "
                         f"{list(logits.shape)}; the data needs {list(expected)} ({unit})")
@@ -186,8 +174,6 @@ def check_cluster_config(configured) -> None:
     cluster config is refused now, not found out at the end (where it could only warn)."""
     if not configured:
         return
-    from cluster.config import ConfigError as ClusterConfigError, load_cluster_yaml
-    from training.run.cost import cluster_config_path
 
     path = cluster_config_path(configured)
     try:

@@ -11,12 +11,12 @@ from typing import Optional
 
 from training import storage
 from training.config import LATER_IDENTITY_FIELDS
-from training.errors import ConfigError, UserError
+from training.errors import ConfigError, UserError, first_line
 from training.redaction import redact
 
 
 @dataclass
-class RunRecord:
+class Record:
     name: str
     identity: dict
     mlflow_run_id: Optional[str]  # a sweep's: its parent run
@@ -26,7 +26,7 @@ class RunRecord:
     dataset: Optional[dict] = None  # a run's prepared data when it started: {root, digest}
 
     @classmethod
-    def read(cls, uri: str, name: str, what: str) -> Optional["RunRecord"]:
+    def read(cls, uri: str, name: str, what: str) -> Optional["Record"]:
         """The record of run (or sweep) `name` at `uri`, None if there is none; UserError if the
         storage (`what`) cannot be reached or the record is not one this service wrote whole."""
         try:
@@ -34,7 +34,7 @@ class RunRecord:
                 return None
             text = storage.read_text(uri)
         except (OSError, ValueError) as exc:  # (pyarrow's ArrowInvalid, for a URI it cannot use, is a ValueError)
-            raise UserError(redact(f"{what} is not reachable: {str(exc).splitlines()[0][:300]}")) from None
+            raise UserError(redact(f"{what} is not reachable: {first_line(exc)}")) from None
         try:
             raw = json.loads(text)
             identity = raw["identity"]

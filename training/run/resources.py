@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from cluster.config import ConfigError, load_cluster_yaml
 from training.config import ScalingConfig
 from training.errors import UserError
 
@@ -42,7 +43,6 @@ def maximum_resources() -> Optional[dict[str, float]]:
     path = os.environ.get("TRAINING_CLUSTER_CONFIG")
     if not path:
         return None
-    from cluster.config import ConfigError, load_cluster_yaml
 
     try:
         config = load_cluster_yaml(os.path.expanduser(path))

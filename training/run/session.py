@@ -13,8 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from training.errors import UserError
+from training.adaptors import ray_private
+from training.errors import UserError, first_line
 from training.plugins import plugin_module_paths
+from training.redaction import redact
 from training.run.paths import in_submitted_job
 
 # Read by the Ray Train controller when it starts, so they must be set before Ray starts a run.
@@ -48,7 +50,7 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
     source (a submitted job ships them in its --working-dir); `env`: more defaults to set first;
     `own_cluster`: start a local cluster of this machine's CPUs for this process alone, whatever
     else runs here (the benchmark measures on a cluster nothing else uses)."""
-    import ray
+    import ray  # (lazy: ray)
 
     for key, value in {**TRAIN_ENV_DEFAULTS, **(env or {})}.items():
         os.environ.setdefault(key, value)
@@ -86,20 +88,19 @@ UNREACHABLE_HINT = ("check the address and that the cluster is up (`ray status -
 
 def cannot_join_message(address: str, exc: BaseException) -> str:
     """What to do when the Ray cluster to join does not let this driver in."""
-    from training.redaction import redact
 
     chain, cause = [], exc
     while cause is not None and len(chain) < 10:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     where = f"the Ray cluster at {redact(address)}" + (" (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else "")
-    import ray
+    import ray  # (lazy: ray)
 
     if any(isinstance(e, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(e) for e in chain):
         return (f"{where} refused this driver: it needs the cluster's authentication token. On the cluster's "
                 "machine `ray get-auth-token` prints it; put it in ~/.ray/auth_token here (or RAY_AUTH_TOKEN) and "
                 "set RAY_AUTH_MODE=token; or submit the run with `ray job submit --working-dir . -- python -m training CONFIG`")
-    return f"could not join {where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; {UNREACHABLE_HINT}"
+    return f"could not join {where}: {first_line(exc, 1000)}; {UNREACHABLE_HINT}"
 
 
 # How long the recorded cluster's GCS has to answer: a live one answers in milliseconds. A cluster
@@ -139,7 +140,6 @@ def live_local_cluster() -> Optional[str]:
     forgotten, as `ray stop` would: `ray.init()` would wait on it, and so would the state API in
     every process of the next cluster (40 s per call: Ray Train's placement-group cleaner stalls
     each run's end). A live cluster that cannot be joined raises UserError saying how to clear it."""
-    from training.adaptors import ray_private
 
     try:
         address = ray_private.recorded_local_address()
@@ -163,7 +163,7 @@ def check_cluster_to_join() -> None:
     """Before anything starts: UserError if the cluster this driver would join cannot be joined: a
     recorded local cluster in that state (see live_local_cluster), or a RAY_ADDRESS where no GCS
     answers (ray.init would wait minutes on it)."""
-    import ray
+    import ray  # (lazy: ray)
 
     if ray.is_initialized() or in_submitted_job():
         return
@@ -173,8 +173,6 @@ def check_cluster_to_join() -> None:
         return
     if address in ("auto", "local") or "://" in address or ":" not in address:
         return  # Ray's own words for the recorded or a new cluster; a Ray Client address
-    from training.adaptors import ray_private
-    from training.redaction import redact
 
     try:
         answer = ray_private.ask_gcs_session_name(address, RAY_ADDRESS_ANSWER_TIMEOUT_S)

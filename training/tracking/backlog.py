@@ -10,14 +10,15 @@ line per metric (key, value, timestamp, step). It is always rewritten whole, nev
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Callable, Optional
 
-from training import storage
+import pyarrow.fs as pafs
+
+from training import storage, topics
 from training.redaction import redact
 
-log = logging.getLogger(__name__)
+log = topics.logger(topics.TRACKING, __name__)
 
 BACKLOG_FILE = "tracking_backlog.jsonl"
 
@@ -38,13 +39,13 @@ def write_backlog(uri: str, run_id: str, tracking_uri: str, metrics: list,
         storage.write_text(uri, "\n".join(lines) + "\n")
         return True
     except Exception as exc:
-        log.warning("tracking: could not write %s: %s", uri, exc)
+        log.warning("could not write %s: %s", uri, exc)
         return False
 
 
 def read_backlog(uri: str) -> Optional[tuple[dict, list]]:
     """(header, metrics) of a backlog file, or None if there is none."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # (lazy: mlflow)
 
     if not storage.exists(uri):
         return None
@@ -63,7 +64,7 @@ def remove_backlog(uri: str) -> bool:
     except FileNotFoundError:
         pass
     except Exception as exc:  # replaying it later is harmless: the store keeps one copy of each metric
-        log.warning("tracking: could not remove %s: %s", uri, exc)
+        log.warning("could not remove %s: %s", uri, exc)
         return False
     return True
 
@@ -72,7 +73,6 @@ def replay_backlogs(storage_path: str, tracker, log_line: Callable[[str], None] 
     """At the start of a run, with MLflow reachable: deliver the backlog files of runs in the same
     storage tracked at the same MLflow (tracker's). This run's own (a resumed run) gets its metrics;
     another run's only once it has ended (its file holds a final status), which is then set too."""
-    import pyarrow.fs as pafs
 
     fs, root = storage.filesystem(storage_path)
     try:
@@ -87,7 +87,7 @@ def replay_backlogs(storage_path: str, tracker, log_line: Callable[[str], None] 
         try:
             found = read_backlog(uri)
         except Exception as exc:
-            log.warning("tracking: cannot read %s: %s", uri, exc)
+            log.warning("cannot read %s: %s", uri, exc)
             continue
         if found is None or redact(found[0].get("tracking_uri") or "") != redact(tracker.tracking_uri):
             continue
@@ -104,5 +104,5 @@ def replay_backlogs(storage_path: str, tracker, log_line: Callable[[str], None] 
             replay.finish(header["status"], header.get("end_time_ms"))
             done = not storage.exists(uri)
         if done:
-            log_line(f"tracking: sent {len(metrics)} metrics kept in {uri} to MLflow run {header['run_id']}"
-                     + ("" if own else f" and marked it {header['status']}"))
+            log_line(topics.line(topics.TRACKING, f"sent {len(metrics)} metrics kept in {uri} to MLflow run "
+                                 f"{header['run_id']}" + ("" if own else f" and marked it {header['status']}")))

@@ -13,6 +13,7 @@ import datetime
 import time
 
 import ray.train
+
 from training.adaptors.ray_private import controller_callback_base
 from training.observe.system import mlflow_rows
 from training.tracking.tracker import NullTracker

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import json
 
+from training import topics
+from training.errors import first_line
 from training.redaction import redact
 
 CONTEXTS = {"train": "training", "validation": "validation"}
 
 
 def dataset_inputs(manifest) -> list:
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-
-    from training.data.external import is_external
+    from mlflow.entities import Dataset, DatasetInput, InputTag  # (lazy: mlflow)
 
     name = manifest.source.split(":")[-1]
     if manifest.origin is not None:  # prepared from other data (text tokenized, Parquet transformed)
         source_type = "parquet"
         source = redact(json.dumps({"uri": json.dumps(manifest.origin.get("path")), "prepared": manifest.root,
                                     **{k: v for k, v in manifest.origin.items() if k in ("transform", "tokenizer")}}))
-    elif is_external(manifest):  # read in place: the data's own location
+    elif manifest.streamed:  # read in place: the data's own location
         where = manifest.options.get("path")
         source_type, source = "parquet", json.dumps({"uri": redact(json.dumps(where)), "index": redact(manifest.root)})
     else:
@@ -42,4 +42,4 @@ def log_datasets(tracker, manifest, log) -> None:
     try:
         tracker.client.log_inputs(tracker.run_id, datasets=dataset_inputs(manifest))
     except Exception as exc:  # (MLflow away right after the start: the run goes on)
-        log(redact(f"tracking: the datasets were not recorded in MLflow: {str(exc).splitlines()[0][:200]}"))
+        log(topics.line(topics.TRACKING, f"the datasets were not recorded in MLflow: {first_line(exc, 200)}"))

@@ -6,17 +6,17 @@ warning, since sending it again cannot help."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Optional
 
+from training import topics
 from training.redaction import redact
 from training.tracking import backlog
 from training.tracking.policy import SenderAction, SenderState, SendPolicy
 from training.tracking.transport import MlflowTransport, is_rejected, short_reason
 
-log = logging.getLogger(__name__)
+log = topics.logger(topics.TRACKING, __name__)
 
 
 class Sender:
@@ -133,7 +133,7 @@ class Sender:
             if not is_rejected(exc):
                 self._failed(exc)
                 return
-            log.warning("tracking: MLflow at %s refused %s for run %s: %s", redact(self.transport.tracking_uri),
+            log.warning("MLflow at %s refused %s for run %s: %s", redact(self.transport.tracking_uri),
                         f"{len(metrics)} metrics" if metrics else f"the status {status[0]}", self.run_id, redact(str(exc)))
         self._delivered(len(metrics), status is not None)
 
@@ -143,7 +143,7 @@ class Sender:
             self._failed_at = time.monotonic()
             if self._failures == 1:
                 self._down_since = self._failed_at
-                log.warning("tracking: MLflow at %s is unreachable (%s); training continues, %d metrics are kept "
+                log.warning("MLflow at %s is unreachable (%s); training continues, %d metrics are kept "
                             "and sent when it answers again%s", redact(self.transport.tracking_uri),
                             redact(short_reason(exc, self.transport.timeout_s)), len(self._pending),
                             f" (meanwhile also written to {self.backlog_uri})" if self.backlog_uri else "")
@@ -155,7 +155,7 @@ class Sender:
                 self._status = None
             self._changed = True
             if self._failures:
-                log.warning("tracking: MLflow at %s answers again after %.0f s; sending the %d metrics kept "
+                log.warning("MLflow at %s answers again after %.0f s; sending the %d metrics kept "
                             "meanwhile", redact(self.transport.tracking_uri), time.monotonic() - self._down_since,
                             len(self._pending) + count)
                 self._failures = 0

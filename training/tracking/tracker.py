@@ -25,19 +25,19 @@ with the one-shot MLflow calls of transport.py and the backlog file of backlog.p
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Optional
 
+from training import topics
 from training.redaction import redact
 from training.tracking.policy import SendPolicy
 from training.tracking.sender import Sender
 from training.tracking.transport import MlflowTransport, keep_password_out_of_mlflow_output
 
-log = logging.getLogger(__name__)
+log = topics.logger(topics.TRACKING, __name__)
 
 RUN_NAME_TAG = "training.run_name"
 
@@ -48,7 +48,7 @@ def fluent_mlflow(tracking_uri: str):
     mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI to this process's environment, where
     it would outlive the run: the next run in this process, and every process started from it
     (a Ray head, a job), would track there. Both are put back afterwards."""
-    import mlflow
+    import mlflow  # (lazy: mlflow)
 
     previous = os.environ.get("MLFLOW_TRACKING_URI")  # what set_tracking_uri last set, if anything
     keep_password_out_of_mlflow_output(tracking_uri)
@@ -114,7 +114,7 @@ class MlflowTracker:
               run_dir: Optional[str] = None, policy: SendPolicy = SendPolicy()) -> "MlflowTracker":
         """Continue the run `run_id` if given (a resumed training run), else create one. Raises
         at once (one short attempt) if MLflow does not answer."""
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param, RunTag  # (lazy: mlflow)
 
         transport = MlflowTransport(tracking_uri, policy.attempt_timeout_s)
         transport.check_reachable()
@@ -146,7 +146,7 @@ class MlflowTracker:
     def log_metrics(self, metrics: dict, step: int, timestamp_s: Optional[float] = None) -> None:
         """Queue numeric metrics for the sender thread; returns at once. `timestamp_s`: when they
         were measured (time.time()), if not now."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # (lazy: mlflow)
 
         now = int((time.time() if timestamp_s is None else timestamp_s) * 1000)
         self._sender.queue([Metric(k, float(v), now, int(step)) for k, v in metrics.items()
@@ -191,10 +191,10 @@ class MlflowTracker:
             return True
         what = f"{left} metrics" + (f" and the final status {status[0]}" if status else "")
         if self.run_dir:
-            log.warning("tracking: MLflow at %s is unreachable; %s of MLflow run %s are kept in %s and will be "
+            log.warning("MLflow at %s is unreachable; %s of MLflow run %s are kept in %s and will be "
                         "sent when this run is resumed, or another run in the same storage starts, with MLflow "
                         "reachable", redact(self.tracking_uri), what, self.run_id, self._sender.backlog_uri)
         else:
-            log.warning("tracking: MLflow at %s is unreachable; %s of MLflow run %s are lost",
+            log.warning("MLflow at %s is unreachable; %s of MLflow run %s are lost",
                         redact(self.tracking_uri), what, self.run_id)
         return False

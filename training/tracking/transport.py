@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from training.adaptors import mlflow_private
+from training.errors import first_line
 from training.redaction import redact
 
 
@@ -31,7 +32,7 @@ class MlflowTransport:
     def client(self):
         """MLflow's own client for this URI, retries and all: for calls that may wait on MLflow."""
         if self._client is None:
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
             self._client = MlflowClient(self.tracking_uri)
         return self._client
@@ -75,7 +76,7 @@ class MlflowTransport:
 def is_rejected(exc: Exception) -> bool:
     """MLflow answered and refused (a client error: a bad value, a deleted run), so sending the same
     again cannot help; not a timeout, a refused connection, a 5xx or a 429."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # (lazy: mlflow)
 
     if not isinstance(exc, MlflowException):
         return False
@@ -90,4 +91,4 @@ def short_reason(exc: Exception, timeout_s: float) -> str:
         return "connection refused"
     if "timeout" in text.lower() or "timed out" in text.lower():
         return f"no answer within {timeout_s:g} s"
-    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+    return first_line(exc, 200)

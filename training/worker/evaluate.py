@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from training.checkpoint.format import LoopState
-from training.config import JobConfig
-from training.tasks import forward_loss, validation_metrics
+from training.tasks import Task
 
 
 def sum_across_workers(values: list[float], device: torch.device) -> list[float]:
@@ -28,7 +27,7 @@ def max_across_workers(value: float, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, device, autocast,
+def evaluate(model, task: Task, rows: dict[str, torch.Tensor], batch_size: int, device, autocast,
              lockstep: bool = False) -> dict:
     model.eval()
     loss_sum = units = correct = 0.0
@@ -39,31 +38,31 @@ def evaluate(model, task: str, rows: dict[str, torch.Tensor], batch_size: int, d
     for start in range(0, batches * batch_size, batch_size):
         if start >= count:  # this worker's rows are done: a forward the others need, not counted
             with autocast:
-                forward_loss(task, model, {k: v[:1].to(device) for k, v in rows.items()})
+                task.forward_loss(model, {k: v[:1].to(device) for k, v in rows.items()})
             continue
         batch = {k: v[start:start + batch_size].to(device) for k, v in rows.items()}
         with autocast:
-            batch_loss, batch_units, batch_correct = forward_loss(task, model, batch, count_correct=True)
+            batch_loss, batch_units, batch_correct = task.forward_loss(model, batch, count_correct=True)
         loss_sum += batch_loss.item()
         units += batch_units
         correct += batch_correct.item()
     model.train()
-    return validation_metrics(task, *sum_across_workers([loss_sum, units, correct], device))
+    return task.metrics_of(*sum_across_workers([loss_sum, units, correct], device))
 
 
-def update_early_stopping(job: JobConfig, loop: LoopState, val_metrics: dict) -> None:
-    """Count evaluations without improvement in `loop`, and stop it after `patience_evals`."""
-    rule = job.train.early_stopping
+def update_early_stopping(rule, state: LoopState, val_metrics: dict) -> None:
+    """Count evaluations without improvement in `loop`, and stop it after `patience_evals` (`rule`:
+    train.early_stopping, or None)."""
     if rule is None:
         return
     if rule.metric not in val_metrics:
         raise ValueError(f"train.early_stopping.metric {rule.metric!r} is not a validation metric; "
                          f"have {sorted(val_metrics)}")
     value = val_metrics[rule.metric]
-    better = loop.best_metric is None or (
-        value < loop.best_metric - rule.min_delta if rule.mode == "min" else value > loop.best_metric + rule.min_delta)
+    better = state.best_metric is None or (
+        value < state.best_metric - rule.min_delta if rule.mode == "min" else value > state.best_metric + rule.min_delta)
     if better:
-        loop.best_metric, loop.evals_without_improvement = value, 0
+        state.best_metric, state.evals_without_improvement = value, 0
     else:
-        loop.evals_without_improvement += 1
-        loop.stopped_early = loop.evals_without_improvement >= rule.patience_evals
+        state.evals_without_improvement += 1
+        state.stopped_early = state.evals_without_improvement >= rule.patience_evals

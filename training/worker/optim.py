@@ -1,4 +1,4 @@
-"""The optimizer, its learning-rate schedule and the run's length, built on every worker."""
+"""The optimizer and its learning-rate schedule, built on every worker."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from training.config import JobConfig, OptimConfig
+from training.config import OptimConfig
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -28,8 +28,3 @@ def lr_factor(optim: OptimConfig, total_steps: int):
 
     return factor
 
-
-def total_steps_of(job: JobConfig, steps_per_epoch: int) -> int:
-    if job.train.max_steps is not None:
-        return job.train.max_steps
-    return max(1, int(round(job.train.epochs * steps_per_epoch)))

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from training.config import ParallelConfig
 
@@ -44,26 +45,20 @@ def param_dtype(config: ParallelConfig, device: torch.device) -> Optional[torch.
     return None
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP shards one by one: a `blocks` ModuleList (the built-in GPT, and any
-    plug-in following that convention); none for other models (then only the root is sharded)."""
-    blocks = getattr(model, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
-
-
 def _checkpoint_activations(block: nn.Module) -> None:
     """Recompute the block's activations in backward. The forward is replaced on the instance,
     not wrapped in another module, so parameter names (and checkpoints) stay the same."""
-    from torch.utils.checkpoint import checkpoint
 
     block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, compile: bool = False) -> nn.Module:
+def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, blocks: list[nn.Module] = (),
+         compile: bool = False) -> nn.Module:
     """Prepare `model` (already on `device`, identical on every worker) for training; returns the
     module to call. For fsdp that is `model` itself, sharded in place; for ddp, Ray's DDP wrapper
-    (or `model` with one worker)."""
-    blocks = transformer_blocks(model)
+    (or `model` with one worker). `blocks`: the model's repeated units (its family's), which FSDP
+    shards one by one and activation checkpointing recomputes; none: only the root is sharded."""
+    blocks = list(blocks)
     if config.activation_checkpointing:
         for block in blocks:
             _checkpoint_activations(block)
@@ -71,10 +66,11 @@ def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, compile
         for block in blocks or [model]:
             block.compile()
     if config.strategy == "ddp":
-        import ray.train.torch
+        import ray.train.torch  # (lazy: ray.train)
 
         return ray.train.torch.prepare_model(model)
 
+    # (lazy: torch.distributed.fsdp)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = param_dtype(config, device)

@@ -1,4 +1,4 @@
-"""What a worker does after a training step, decided on every worker from values every worker
+"""What a worker does after a training step (on every worker), decided from values every worker
 shares (step counts, and rank 0's clock as summed across workers), so that every rank makes the
 same choice and calls the collectives and `ray.train.report` the same number of times.
 
@@ -11,17 +11,17 @@ The decision comes in three pure steps, one on each side of the collectives that
     decide(due, notice_fresh, ...)   after `ray.train.get_preemption_info()` (a collective asked at
                                      every report, and only then): evaluate? checkpoint? hold?
 
-`Preemption` follows one drain notice: when its final checkpoint is due, and the wait after it.
+How a failure mode gates these (a min report interval and preemptions in restart mode, reports only
+at steps every replica group took in continue mode) is the mode's: training/failure/.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from training.adaptors.ray_private import default_preemption_deadline_s
-from training.config import CheckpointConfig, TrainConfig
+if TYPE_CHECKING:  # (the job config's sections, for the types alone: config imports no worker module)
+    from training.config import CheckpointConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class StepPolicy:
     min_report_interval_s: float
 
     @classmethod
-    def of(cls, train: TrainConfig, checkpoint: CheckpointConfig, total_steps: int) -> "StepPolicy":
+    def of(cls, train: "TrainConfig", checkpoint: "CheckpointConfig", total_steps: int) -> "StepPolicy":
         return cls(total_steps, train.log_every_n_steps, train.eval_every_n_steps, checkpoint.every_n_steps,
                    train.min_report_interval_s)
 
@@ -89,50 +89,4 @@ class StepPolicy:
                             preemption_save=preemption_save, hold=final_save)
 
 
-@dataclass
-class Preemption:
-    """A node of this run is being drained for preemption. The run checkpoints at once (in case
-    the node goes early), keeps training, checkpoints again `margin_s` before the deadline and then
-    waits for Ray Train to restart the group without the node: no finished step is lost."""
-
-    key: tuple
-    deadline_s: float
-    ranks: tuple = ()
-    margin_s: float = 10.0
-    final_saved: bool = False
-    clock: Callable[[], float] = field(default=time.time, repr=False, compare=False)
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
-
-    @staticmethod
-    def key_of(notice) -> tuple:
-        return notice.deadline_ms, tuple(notice.preempted_node_ids)
-
-    @classmethod
-    def fresh(cls, notice, current: Optional["Preemption"], clock: Callable[[], float] = time.time,
-              sleep: Callable[[float], None] = time.sleep) -> Optional["Preemption"]:
-        """A Preemption for `notice` (from `ray.train.get_preemption_info()`) if it is new; None if
-        there is no notice or it is the one `current` follows."""
-        if notice is None or (current is not None and current.key == cls.key_of(notice)):
-            return None
-        # Without a deadline Ray Train waits its default before restarting.
-        deadline_s = notice.deadline_ms / 1000 if notice.deadline_ms else clock() + default_preemption_deadline_s()
-        return cls(cls.key_of(notice), deadline_s, tuple(notice.preempted_ranks), clock=clock, sleep=sleep)
-
-    def plan_final_save(self, save_s: float) -> None:
-        """Leave room for the final save: three times what the notice's checkpoint took."""
-        self.margin_s = max(10.0, 3 * save_s)
-
-    def final_save_due(self, now_s: float) -> bool:
-        return not self.final_saved and now_s >= self.deadline_s - self.margin_s
-
-    def hold(self, poll_s: float = 0.5, after_deadline_s: float = 60.0) -> None:
-        """Wait for the restart, which comes at the deadline: steps taken now would be lost. Past
-        `after_deadline_s` without one, training goes on (with no further final save)."""
-        self.final_saved = True
-        while self.clock() < self.deadline_s + after_deadline_s:
-            self.sleep(poll_s)
-
-    def notice_line(self, step: int) -> str:
-        return (f"preemption notice for node(s) {', '.join(n[:12] for n in self.key[1])} "
-                f"(ranks {list(self.ranks)}, {self.deadline_s - self.clock():.0f} s left): "
-                f"checkpoint saved at step {step}; the final one {self.margin_s:.0f} s before the deadline")
+NOTHING_DUE = StepDue(log=False, evaluate=False, checkpoint=False)

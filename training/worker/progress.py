@@ -10,9 +10,8 @@ from typing import Optional
 
 import torch
 
-from training.data.loader import DIGEST_MODULUS, batch_digest
+from training.data.order import DIGEST_MODULUS, batch_digest
 from training.worker.evaluate import sum_across_workers
-
 
 # Where a step's time goes, each summed over a window's steps: the data wait on the host clock (a
 # loader stall is the host's), the rest on the device's (CUDA events, read once per window, after
@@ -28,7 +27,7 @@ class WindowTotals:
     units: float
     elapsed_s: float
     final_save: bool
-    data_digest: int  # the window's global batches' digest (training.data.loader.batch_digest)
+    data_digest: int  # the window's global batches' digest (training.data.order.batch_digest)
     phase_s: tuple = (0.0,) * len(PHASES)  # summed over the window's steps and every worker
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from training.worker.policy import StepDue
+from training.worker.policy import NOTHING_DUE, StepDue
 
 LOST, REJOINED = "replica_lost", "replica_rejoined"
 
@@ -105,9 +105,6 @@ def waits_for_all(started: bool, replicas: int, world_size: int, participating: 
 class GateDecision:
     report: bool
     due: StepDue  # what the report is for (carried dues included), or what stays carried
-
-
-NOTHING_DUE = StepDue(log=False, evaluate=False, checkpoint=False)
 
 
 @dataclass(frozen=True)

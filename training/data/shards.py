@@ -1,78 +1,59 @@
-"""Each worker's share of each global batch, in an order that is a pure function of (seed, epoch).
+"""Parquet shards this service writes from a table in memory (the digits, tinylm and plug-in
+sources), and their reading: by the driver (writing, checking a shard against its manifest) and
+by the workers (a split by index, a worker's rows of each global batch).
 
-The sample order never depends on the world size: global batch `j` of epoch `e` is always
-`epoch_order(seed, e, n)[j * B:(j + 1) * B]`. A worker of rank r in a group of W takes the r-th of
-W near-equal contiguous parts of it. So a run that shrinks from 4 workers to 2 still sees the same
-sequence of global batches, and a run resumed at step s reads exactly what it would have read.
+Layout of one prepared dataset (local or s3://):
+    <cache_root>/<source>-<key>/train/part-00000.parquet ...
+    <cache_root>/<source>-<key>/validation/part-00000.parquet ...
+    <cache_root>/<source>-<key>/manifest.json      written last: its presence means complete
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Optional
+import io
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from training import storage
-from training.data.prepare import Manifest
-
-
-def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_rows)
-
-
-# The data digest: a running sum over steps of a hash of (step, sample id) for every sample of every
-# global batch, kept below 2**40 (exact as a float64 metric, and as a float64 sum over 8192
-# workers). Order-free within a step, so each worker hashes its own part and the parts add up to
-# the global batch's; two runs with equal digests at a step saw the same global batches up to it,
-# whatever their world sizes, restarts or resizes.
-DIGEST_MODULUS = 1 << 40
-
-
-def batch_digest(step: int, sample_ids: np.ndarray) -> int:
-    """This part of global batch `step`'s contribution to the data digest (splitmix64 of each id)."""
-    with np.errstate(over="ignore"):
-        z = (np.asarray(sample_ids, dtype=np.uint64) + np.uint64(step) * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return int(np.sum(z >> np.uint64(24), dtype=np.uint64)) % DIGEST_MODULUS
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one global batch is divided across workers and micro-batches."""
-
-    global_batch_size: int
-    world_size: int
-    rank: int
-    micro_batch_size: int | None = None
-
-    def rank_part(self, global_batch: np.ndarray) -> np.ndarray:
-        return np.array_split(global_batch, self.world_size)[self.rank]
-
-    def micro_batches(self, part_size: int) -> list[slice]:
-        size = self.micro_batch_size or max(part_size, 1)
-        return [slice(start, min(start + size, part_size)) for start in range(0, part_size, size)]
-
-    def steps_per_epoch(self, num_rows: int) -> int:
-        steps = num_rows // self.global_batch_size
-        if steps < 1:
-            raise ValueError(f"train.global_batch_size {self.global_batch_size} is larger than the "
-                             f"{num_rows} training rows")
-        return steps
-
+from training.data.manifest import SPLITS, Manifest
+from training.data.order import BatchPlan, epoch_order
+from training.errors import first_line
+from training.tasks import TASKS
 
 # A split whose decoded rows fit in this many bytes is read once and kept in memory: a small
 # dataset's epochs are then cut from memory, as a hand-written loop would (digits: 4% of step time
 # went to re-reading its Parquet every 22 steps). Larger splits are read epoch by epoch.
 IN_MEMORY_LIMIT_BYTES = 256 << 20
+
+
+def write_shards(tables: dict[str, pa.Table], root: str, num_shards: int) -> dict[str, dict[str, Any]]:
+    """Each split's table as up to `num_shards` Parquet files under `root`; the manifest's splits."""
+    fs, base = storage.filesystem(root)
+    splits: dict[str, dict[str, Any]] = {}
+    for split in SPLITS:
+        table = tables[split]
+        shards = []
+        bounds = np.linspace(0, table.num_rows, min(num_shards, max(table.num_rows, 1)) + 1).astype(int)
+        fs.create_dir(f"{base}/{split}", recursive=True)
+        for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+            buffer = io.BytesIO()
+            pq.write_table(table.slice(start, stop - start), buffer, compression="zstd")
+            payload = buffer.getvalue()
+            relative = f"{split}/part-{index:05d}.parquet"
+            with fs.open_output_stream(f"{base}/{relative}") as stream:
+                stream.write(payload)
+            shards.append({"path": relative, "rows": int(stop - start), "sha256": hashlib.sha256(payload).hexdigest()})
+        splits[split] = {"rows": table.num_rows, "shards": shards}
+    return splits
+
+
+def shards_digest(splits: dict[str, dict[str, Any]]) -> str:
+    return hashlib.sha256("".join(s["sha256"] for sp in splits.values() for s in sp["shards"]).encode()).hexdigest()
 
 
 def row_bytes(schema: pa.Schema) -> int | None:
@@ -89,32 +70,40 @@ def row_bytes(schema: pa.Schema) -> int | None:
     return total
 
 
+def table_columns(table: pa.Table, columns: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
+    """A table's columns as numpy arrays of the task's dtypes: a fixed-size list column becomes a
+    matrix of one row per table row."""
+    out = {}
+    for name, dtype in columns:
+        column = table.column(name).combine_chunks()
+        if pa.types.is_fixed_size_list(column.type):
+            values = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
+        else:
+            values = column.to_numpy(zero_copy_only=False)
+        out[name] = values.astype(dtype)  # (a copy: the columns outlive the table's buffers)
+    return out
+
+
 class SplitReader:
     """Reads rows of one split by index from its Parquet shards (local or s3://); a small split
     is read whole, once (see IN_MEMORY_LIMIT_BYTES)."""
 
     def __init__(self, manifest: Manifest, split: str, in_memory_limit_bytes: int = IN_MEMORY_LIMIT_BYTES):
+        import pyarrow.dataset as pads  # (it imports pandas: 0.2 s the config path does without)
+
         fs, _ = storage.filesystem(manifest.root)
         paths = [storage.filesystem(uri)[1] for uri in manifest.shard_uris(split)]
         self.dataset = pads.dataset(paths, filesystem=fs, format="parquet")
-        self.task = manifest.task
+        self.columns = TASKS[manifest.task].columns
         self.num_rows = manifest.rows(split)
         width = row_bytes(self.dataset.schema)
         small = width is not None and width * self.num_rows <= in_memory_limit_bytes
         self._table = self.dataset.to_table() if small else None
 
-    def take(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
         table = self._table.take(indices) if self._table is not None else self.dataset.take(indices)
-        if self.task == "classification":
-            column = table.column("x").combine_chunks()
-            width = column.type.list_size
-            x = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
-            return {"x": torch.from_numpy(np.array(x, dtype=np.float32)),
-                    "y": torch.from_numpy(table.column("y").to_numpy().astype(np.int64))}
-        column = table.column("tokens").combine_chunks()
-        tokens = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
-        return {"tokens": torch.from_numpy(tokens.astype(np.int64))}
+        return table_columns(table, self.columns)
 
 
 class TrainShard:
@@ -134,7 +123,7 @@ class TrainShard:
         self._parts = parts
         self._epoch, self._first = epoch, first_position
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         """This worker's part of global batch number `step` (counted from the start of the run)."""
         epoch, position = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch or position < self._first:
@@ -147,10 +136,8 @@ class TrainShard:
         """The split's row numbers in this worker's part of global batch `step` (after `batch(step)`)."""
         return self._parts[step % self.steps_per_epoch - self._first]
 
-
-def validation_part(reader: SplitReader, world_size: int, rank: int) -> dict[str, torch.Tensor]:
-    indices = np.array_split(np.arange(reader.num_rows), world_size)[rank]
-    return reader.take(indices)
+    def close(self) -> None:
+        """(Nothing is read ahead.)"""
 
 
 def changed_shard(manifest: Manifest, chunk_bytes: int = 8 << 20) -> Optional[str]:
@@ -171,7 +158,7 @@ def changed_shard(manifest: Manifest, chunk_bytes: int = 8 << 20) -> Optional[st
         try:
             rows = pq.ParquetFile(fs.open_input_file(path)).metadata.num_rows
         except (OSError, ValueError, pa.ArrowException) as exc:
-            return f"shard {shard['path']} is not a readable Parquet file ({str(exc).splitlines()[0][:120]})"
+            return f"shard {shard['path']} is not a readable Parquet file ({first_line(exc, 120)})"
         if rows != shard["rows"]:
             return f"shard {shard['path']} has {rows} rows, {shard['rows']} when it was prepared"
     for (split, shard), path in zip(shards, paths):

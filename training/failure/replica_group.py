@@ -10,14 +10,18 @@ scheduler, loop and ledger state from a peer over torchft's process-group transp
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from datetime import timedelta
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
+from torch.nn.parallel import DistributedDataParallel
 
-from training.worker.replicas import waits_for_all
+from training.failure.replicas import waits_for_all
 
 # torchft's own timeouts. A collective with a dead peer fails at once (its socket closes); these
 # bound a peer that hangs. Kept well under Ray Train's worker health check.
@@ -38,8 +42,6 @@ def _average_over_quorum(manager, bucket):  # (no return annotation: DDP checks 
 def quiet_torchft_logs() -> None:
     """torchft logs every quorum and commit (its Rust side through RUST_LOG, read when its server
     starts; its Python side logs an empty line per commit): warnings only."""
-    import logging
-    import os
 
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_commits", "torchft_quorums"):
@@ -49,11 +51,11 @@ def quiet_torchft_logs() -> None:
 class ReplicaGroup:
     def __init__(self, rank: int, world_size: int, global_batch_size: int, device: torch.device):
         quiet_torchft_logs()
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft import Manager, ProcessGroupGloo  # (lazy: torchft)
+        from torchft.checkpointing.pg_transport import PGTransport  # (lazy: torchft)
 
         if device.type == "cuda":
-            from torchft import ProcessGroupNCCL
+            from torchft import ProcessGroupNCCL  # (lazy: torchft)
 
             pg = ProcessGroupNCCL(timeout=COLLECTIVE_TIMEOUT)
         else:
@@ -89,8 +91,7 @@ class ReplicaGroup:
         on a future that was never set (torchft/ddp.py `assert fut._fut`) and the survivor's
         training function dies with it. This hook does the same all-reduce and lets a failure be
         what torchft means it to be: an error held by the Manager, so that the step does not commit."""
-        from torch.nn.parallel import DistributedDataParallel
-        from torchft.process_group import ProcessGroupDummy
+        from torchft.process_group import ProcessGroupDummy  # (lazy: torchft)
 
         ddp = DistributedDataParallel(model, process_group=ProcessGroupDummy(0, 1))
         ddp.register_comm_hook(self.manager, _average_over_quorum)
@@ -113,7 +114,6 @@ class ReplicaGroup:
         self.started = self.started or replicas >= self.world_size
         used = self.global_batch_size
         if replicas < self.world_size:
-            from torch.distributed import ReduceOp
 
             count = torch.tensor([float(part_size)], device=self.device)
             self.manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()  # a healing group adds 0

@@ -1,0 +1,1 @@
+"""Failure modes: how a run survives a lost worker (training/failure/registry.py)."""

@@ -1,0 +1,50 @@
+"""The model-family seam: what one kind of model (`model.name: NAME`) provides. Each family is one
+module (digits_mlp and digits_cnn, gpt, and plug-ins by import string) registered by name in
+training/models/registry.py; nothing else in the tree names it. Torch-free at import (the config
+path): a family imports its network where it builds it.
+
+    build(section, spec)     the nn.Module for data described by `spec` (the task's keys: input_dim
+                             and num_classes, or vocab_size and seq_len), identical on every worker
+                             for a given torch seed; UserError if the data does not suit it
+    tasks                    the tasks it learns (training/tasks.py); empty: any
+    blocks(model)            the repeated units FSDP shards one by one and activation
+                             checkpointing recomputes (none: only the root is sharded)
+    flops_per_token(model)   training FLOPs per token, for MFU (None: unknown)
+    plugins(section)         import strings Ray ships to the cluster
+    exports_onnx             whether its final model is exported to ONNX by default
+
+Its forward takes the task's input (training/tasks.py) and returns logits, or an object with
+`.logits` (as Hugging Face models do).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from training.schema import OptionsSection
+
+
+class ModelSection(OptionsSection):
+    """The `model` section of a job config; each family's section sets `name` and `options`."""
+
+    name: str
+    options: Any = None  # the family's own options model
+
+
+class ModelFamily:
+    name: str
+    Config: type[ModelSection]
+    tasks: tuple[str, ...] = ()
+    exports_onnx: bool = True
+
+    def build(self, section: ModelSection, spec: dict):
+        raise NotImplementedError
+
+    def blocks(self, model) -> list:
+        return []
+
+    def flops_per_token(self, model) -> Optional[float]:
+        return None
+
+    def plugins(self, section: ModelSection) -> list[str]:
+        return []
