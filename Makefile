@@ -12,7 +12,7 @@ QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || tru
 CONFIG ?= training/configs/digits.yaml
 ARGS ?=
 
-.PHONY: setup run test test-unit bench clean
+.PHONY: setup run lint test test-unit bench clean
 
 # The venv's own pip installs all of it (no self-upgrade: a download and ~12 s), without compiling,
 # and then compileall byte-compiles the venv in parallel (~1.5 min on 2 cores). Compiled once here,
@@ -41,12 +41,16 @@ setup: $(STAMP)
 run: setup
 	$(PY) -m training $(CONFIG) $(ARGS)
 
+# ruff (pyflakes, import order, line length; settings in pyproject.toml): `make test` starts with it.
+lint: setup
+	$(PY) -m ruff check .
+
 # Two workers: first they share the tests without Ray, then each takes one group of Ray tests and
 # runs it in order, one test at a time: those that start their own Ray, and the quick bench with the
 # tests on the shared cluster (tests/conftest.py groups them). Never more than two Ray tests at once.
 # (--no-loadscope-reorder: in the order collected, not the largest groups first, which would start
 # both Ray groups at once and leave the tests without Ray until one of them ends.)
-test: setup
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 bench: setup

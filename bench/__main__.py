@@ -59,10 +59,8 @@ def main(argv=None) -> int:
 
             timed("memory", lambda: memory(args.quick))
         if "streaming" in wanted:  # one process, no Ray
-
             timed("streaming", lambda: streaming(args.quick))
         if "driver_memory" in wanted:  # fresh processes, no Ray
-
             timed("driver_memory", lambda: driver_memory(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
@@ -83,10 +81,8 @@ def main(argv=None) -> int:
                          for task in rows.TASKS}
                 timed("data_path", lambda: rows.data_path(args.quick, rates))
             if "system_metrics" in wanted:  # quick: the sampler's own cost only, no Ray
-
                 timed("system_metrics", lambda: system_metrics(args.quick))
             if "tokenizing" in wanted:
-
                 timed("tokenizing", lambda: tokenizing(args.quick))
             if "gpu" in wanted:
                 timed("gpu", lambda: rows.gpu(args.quick))
@@ -95,7 +91,6 @@ def main(argv=None) -> int:
             if "recovery_continue" in wanted:  # the same kills every 60 s, failure.mode continue
                 timed("recovery_continue", lambda: rows.recovery(args.quick, mode="continue"))
             if "continuous" in wanted:  # failure.mode continue: a worker killed, the survivor goes on
-
                 timed("continuous", lambda: continuous(args.quick))
             if "sweep" in wanted:
                 wide = dict(seeds=[0, 1, 2], samples=8, steps=240) if args.wide_sweep and not args.quick else {}

@@ -109,7 +109,8 @@ def main() -> None:
 
 
     torch.manual_seed(args.seed)
-    model = build_model(model_section({"name": args.model, "options": json.loads(args.model_options)}), {"task": manifest["task"], **manifest["spec"]})
+    model = build_model(model_section({"name": args.model, "options": json.loads(args.model_options)}),
+                        {"task": manifest["task"], **manifest["spec"]})
     ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     clock = SteadyClock(args.warmup_steps)

@@ -39,7 +39,8 @@ def _worker_setup(config: dict):
     manifest, inputs, targets = training_split(config["manifest"])
     torch.manual_seed(config["seed"])
     model = ray.train.torch.prepare_model(
-        build_model(model_section({"name": config["model"], "options": config["model_options"]}), {"task": manifest["task"], **manifest["spec"]}))
+        build_model(model_section({"name": config["model"], "options": config["model_options"]}),
+                    {"task": manifest["task"], **manifest["spec"]}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     return rank, world, inputs, targets, model, optimizer
 

@@ -36,7 +36,6 @@ def machine() -> dict:
 
 
 def service_job(config: str, overrides: list[str], name: str):
-
     return config_lib.load(CONFIGS / config, overrides, name=name)
 
 
@@ -76,7 +75,6 @@ def run_baseline(manifest_root: str, model: str, model_options: dict, steps: int
 
 
 def free_port() -> int:
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

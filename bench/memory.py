@@ -28,12 +28,10 @@ def _free_port() -> int:
 
 
 def _held_bytes(strategy: str, options: dict, seq_len: int, rank: int) -> dict:
-
     torch.manual_seed(0)
     model = GPT(256, seq_len, GPTOptions(**options))
     device = torch.device("cpu")
     if strategy == "ddp":  # Ray's prepare_model is DDP; built directly here, outside Ray Train
-
         train_model = DistributedDataParallel(model)
     else:
         train_model = wrap(model, ParallelConfig(strategy="fsdp"), device, blocks=FAMILY.blocks(model))

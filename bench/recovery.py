@@ -42,7 +42,6 @@ def train_worker_pids() -> list[int]:
 
 
 def _newest_checkpoint(run_dir: Path) -> int:
-
     from training.checkpoint.format import newest_complete  # (lazy: torch)
 
     newest = newest_complete(pafs.LocalFileSystem(), str(run_dir))
@@ -163,7 +162,8 @@ def recovery(quick: bool, mode: str = "restart") -> dict:
         per_kill.extend(analyse(kills, _metrics(chaotic)))
         kills_total[0] += len(kills)
         # (failure.mode continue: the samples of the steps the dead group missed are not trained on)
-        skipped_fraction.append(float(chaotic.metrics.get("samples_skipped", 0)) / (steps * job.train.global_batch_size))
+        skipped_fraction.append(float(chaotic.metrics.get("samples_skipped", 0))
+                                / (steps * job.train.global_batch_size))
         return chaotic.wall_s
 
     def plain() -> float:
@@ -173,8 +173,9 @@ def recovery(quick: bool, mode: str = "restart") -> dict:
         root = prepare(job.data, str(run_dir.parent / "datasets"), log=lambda _: None).root
         events = run_dir.parent / f"{name}.events.jsonl"
         wall, kills = under_kills(
-            lambda: baseline_raytrain.fit(root, events, str(run_dir.parent), name, job.model.name, job.model.options_as_written(),
-                                          steps, every, job.train.global_batch_size, lr=job.optim.lr, seed=job.seed),
+            lambda: baseline_raytrain.fit(root, events, str(run_dir.parent), name, job.model.name,
+                                          job.model.options_as_written(), steps, every, job.train.global_batch_size,
+                                          lr=job.optim.lr, seed=job.seed),
             # (quick: at its first checkpoint; the plain loop trains 160 steps in about a second)
             lambda: baseline_raytrain.newest_checkpoint(events), 0.0 if quick else interval_s, max_kills)
         plain_per_kill.extend(analyse(kills, baseline_raytrain.as_metrics(events)))
@@ -195,7 +196,8 @@ def recovery(quick: bool, mode: str = "restart") -> dict:
     ours = [k["kill_to_next_step_s"] for k in per_kill]
     theirs = [k["kill_to_next_step_s"] for k in plain_per_kill]
     return {
-        "mode": mode, "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0], "recoveries_measured": len(per_kill),
+        "mode": mode, "steps": steps, "failure_every_s": interval_s, "kills": kills_total[0],
+        "recoveries_measured": len(per_kill),
         "kill_to_next_step_s_median": median(ours) if ours else None,
         "steps_lost_median": median([k["steps_lost"] for k in per_kill]) if per_kill else None,
         "checkpoint_every_n_steps": every, "clean_wall_s": clean_walls, "chaos_wall_s": chaos_walls,

@@ -35,7 +35,6 @@ def spread(pairs: dict) -> str:
 
 
 def median_of(values: list) -> float:
-
     return statistics.median(values)
 
 

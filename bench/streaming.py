@@ -59,8 +59,6 @@ def _raw_pass(files: list[Path]) -> dict:
 
 
 def _loader_pass(manifest, partitions: int) -> dict:
-
-
     process = psutil.Process()
     base = process.memory_info().rss
     start, cpu = time.perf_counter(), _cpu_s()
@@ -80,7 +78,6 @@ def _loader_pass(manifest, partitions: int) -> dict:
 
 
 def streaming(quick: bool) -> dict:
-
     rows = 200_000 if quick else 3_300_000  # full: the dataset over 8x the loader's memory budget
     partitions, repeats = 16, (1 if quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,8 +128,6 @@ print(next(line.split()[1] for line in open("/proc/self/status") if line.startsw
 
 
 def _peak_rss_of_prepare(data: dict, cache: Path) -> int:
-
-
     result = subprocess.run([sys.executable, "-c", _PREPARE, json.dumps(data), str(cache)], cwd=REPO,
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -169,7 +164,8 @@ def driver_memory(quick: bool) -> dict:
                 else:
                     options = {"path": str(folder), "validation_fraction": 0.2, "seq_len": 64, "tokenize_on": "driver",
                                "tokenizer": {"train": {"vocab_size": 512, "sample_bytes": 1_000_000}}}
-                peaks[scale] = _peak_rss_of_prepare({"source": source, "options": options}, root / f"cache-{source}-{scale}")
+                peaks[scale] = _peak_rss_of_prepare({"source": source, "options": options},
+                                                    root / f"cache-{source}-{scale}")
                 sizes[scale] = sum(p.stat().st_size for p in folder.iterdir())
             results[source] = {"small_mb": round(sizes[1] / 2**20, 1), "large_mb": round(sizes[10] / 2**20, 1),
                                "small_peak_rss_mb": round(peaks[1] / 2**20, 1),

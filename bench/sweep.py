@@ -37,14 +37,14 @@ def sweep_file(scheduler: str, seed: int, samples: int, steps: int, base: Path) 
             " train.min_report_interval_s=0, tracking.experiment=bench-sweep, tracking.register_model=false]\n"
             f"{SPACE}search: {{algorithm: random, seed: {seed}}}\n"
             f"scheduler: {{name: {scheduler}, grace_period_steps: {steps // 8}, reduction_factor: 2}}\n"
-            f"num_samples: {samples}\ntrial: {{driver_cpus: 0.25, scaling: {{num_workers: 1, cpus_per_worker: 0.5}}}}\n")
+            f"num_samples: {samples}\n"
+            "trial: {driver_cpus: 0.25, scaling: {num_workers: 1, cpus_per_worker: 0.5}}\n")
     path = base / f"{scheduler}-{seed}.yaml"
     path.write_text(body)
     return path
 
 
 def _run(scheduler: str, seed: int, samples: int, steps: int, base: Path) -> tuple[list, int]:
-
     path = sweep_file(scheduler, seed, samples, steps, base)
     summary = run_sweep(sweep_config.load(path, name=f"bench-{scheduler}-{seed}"), log=lambda line: None)
     return summary.rows, sum(row.steps for row in summary.rows)

@@ -19,13 +19,11 @@ SEQ_LEN = 128
 
 
 def _write_corpus(folder: Path, files: int, lines_per_file: int) -> list[Path]:
-
     _write_text(folder, files, 7, lines_per_file)
     return sorted(folder.iterdir())
 
 
 def _tokenizer(paths: list[Path]):
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -36,7 +34,6 @@ def _tokenizer(paths: list[Path]):
 
 
 def tokenizing(quick: bool) -> dict:
-
     files, lines = (8, 2000) if quick else (32, 20000)
     repeats = 1 if quick else 2
     with tempfile.TemporaryDirectory() as tmp:

@@ -95,8 +95,6 @@ def _remote_killers():
 
     @ray.remote(num_cpus=0, max_retries=0)
     def kill_raylet(node_id: str) -> None:
-
-
         me = psutil.Process()
         raylet = me.parent()  # the raylet starts its workers itself
         if raylet is None or f"--node_id={node_id}" not in " ".join(raylet.cmdline()):
@@ -138,8 +136,8 @@ class ChaosExecutor:
             return f"killed {TRAIN_WORKER_CLASS} pid {decision.worker.pid} on node {node_id}"
         if decision.action == "drain-node":
             deadline_ms = int(time.time() * 1000 + deadline_s * 1000)
-            ray_nodes.drain_node(self.gcs, node_id, f"chaos drain-node: rehearsed preemption, deadline {deadline_s:g} s",
-                                 deadline_ms)
+            ray_nodes.drain_node(self.gcs, node_id,
+                                 f"chaos drain-node: rehearsed preemption, deadline {deadline_s:g} s", deadline_ms)
             return f"node {node_id} draining with reason preemption, deadline in {deadline_s:g} s"
         started = time.monotonic()
         ref = kill_raylet.options(**self._pinned(node_id)).remote(node_id)

@@ -61,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_spot_watcher_parser(sub) -> None:
-
     watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption")
-    watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL, help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
-    watcher.add_argument("--interval-s", type=finite_float, default=5.0, help="seconds between polls (default 5, as AWS advises)")
+    watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL,
+                         help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
+    watcher.add_argument("--interval-s", type=finite_float, default=5.0,
+                         help="seconds between polls (default 5, as AWS advises)")
     watcher.add_argument("--address", default=None,
                          help="Ray GCS host:port (default: $RAY_ADDRESS, else the cluster `ray start` joined here)")
     watcher.add_argument("--node-id", default=None,
@@ -82,7 +83,6 @@ def add_spot_watcher_parser(sub) -> None:
 
 
 def add_chaos_parser(sub) -> None:
-
     chaos = sub.add_parser("chaos", help="rehearse a failure on a live cluster running a Ray Train job")
     chaos.add_argument("action", choices=ACTIONS,
                        help="kill-worker: SIGKILL one Ray Train worker process; drain-node: drain a node running "
@@ -91,12 +91,12 @@ def add_chaos_parser(sub) -> None:
     chaos.add_argument("--seed", type=int, default=None, help="seed for the random choice of target")
     chaos.add_argument("--node-id", default=None, help="only consider this node (hex id)")
     chaos.add_argument("--allow-head", action="store_true", help="the head node may be a target")
-    chaos.add_argument("--deadline-s", type=finite_float, default=30.0, help="drain-node: deadline in seconds (default 30)")
+    chaos.add_argument("--deadline-s", type=finite_float, default=30.0,
+                       help="drain-node: deadline in seconds (default 30)")
     chaos.add_argument("--dry-run", action="store_true", help="print the target and what would be done; touch nothing")
 
 
 def run_validate(args: argparse.Namespace) -> int:
-
     results = validate_cluster(args.config, live=not args.offline)
     for result in results:
         print(result.line())
@@ -107,7 +107,6 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_cost(args: argparse.Namespace) -> int:
-
     if args.hours < 0 or (args.workers is not None and args.workers < 0):
         raise ConfigError("--hours and --workers must be >= 0")
     _, config = load_and_prepare(args.config)
@@ -153,14 +152,11 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_rehearse(args: argparse.Namespace) -> int:
-
     return EXIT_OK if rehearse(args.config, gpu_workers=args.gpu_workers,
                                idle_timeout_s=args.idle_timeout_s) else EXIT_FAILED
 
 
 def run_spot_watcher(args: argparse.Namespace) -> int:
-
-
     if args.interval_s <= 0 or args.max_backoff_s <= 0:
         raise ConfigError("--interval-s and --max-backoff-s must be > 0")
     if not args.imds_url.startswith(("http://", "https://")):
@@ -207,8 +203,6 @@ def run_spot_watcher(args: argparse.Namespace) -> int:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-
-
     if args.deadline_s < 0:
         raise ConfigError(f"--deadline-s must be >= 0, got {args.deadline_s}")
     import ray  # (lazy: ray)

@@ -54,7 +54,8 @@ def ray_start_listeners(argv: tuple[str, ...]) -> list[Listener]:
     wanted += [(_port(argv, flag, default), what, None) for flag, default, what in (
         ("--object-manager-port", 0, "object manager"), ("--node-manager-port", 0, "node manager"),
         ("--metrics-export-port", 0, "metrics"), ("--dashboard-agent-listen-port", 52365, "dashboard agent"),
-        ("--dashboard-agent-grpc-port", 0, "dashboard agent gRPC"), ("--runtime-env-agent-port", 0, "runtime env agent"))]
+        ("--dashboard-agent-grpc-port", 0, "dashboard agent gRPC"),
+        ("--runtime-env-agent-port", 0, "runtime env agent"))]
     found = [Listener(port, port, what, host) for port, what, host in wanted if port]
     random = [what for port, what, _ in wanted if not port]
     if random:

@@ -228,7 +228,8 @@ def auth_token(config: dict, laptop: Laptop) -> CheckResult:
     if laptop.in_repository(laptop.path(local)):
         return failed("auth_token", f"the token file {laptop.path(local)} is inside the repository: "
                       f"keep it in {TOKEN_REMOTE}")
-    return passed("auth_token", f"RAY_AUTH_MODE=token in every command that runs `ray start`; token shipped from {local}")
+    return passed("auth_token", "RAY_AUTH_MODE=token in every command that runs `ray start`; "
+                  f"token shipped from {local}")
 
 
 def local_token(config: dict, laptop: Laptop) -> CheckResult:
@@ -382,7 +383,8 @@ def mlflow_auth(config: dict, laptop: Laptop) -> CheckResult:
                  if laptop.file_mode(path) is None]
     if problems:
         return warned("mlflow_auth", "; ".join(problems) + " (the header of cluster.yaml says what the file holds)")
-    return passed("mlflow_auth", f"MLflow basic-auth; credentials from {', '.join(map(str, dict.fromkeys(mounts.values())))}")
+    return passed("mlflow_auth", "MLflow basic-auth; credentials from "
+                  f"{', '.join(map(str, dict.fromkeys(mounts.values())))}")
 
 
 def pinned_image(config: dict) -> CheckResult:

@@ -69,7 +69,8 @@ class SpotPolicy:
             deadline = now + timedelta(seconds=self.rebalance_deadline_s)
             message = f"EC2 rebalance recommendation ({_iso(notice.time)}): draining ahead of a likely interruption"
         else:
-            kind = notice.kind if notice.kind in SPOT_ACTIONS else f"{notice.kind} (unknown action, treated as terminate)"
+            kind = (notice.kind if notice.kind in SPOT_ACTIONS
+                    else f"{notice.kind} (unknown action, treated as terminate)")
             seen = f"spot interruption notice: {kind} at {_iso(notice.time)}"
             deadline = max(notice.time, now)
             message = f"EC2 spot interruption notice: {notice.kind} at {_iso(notice.time)}"

@@ -34,8 +34,8 @@ def live_results(prepared: dict, *, env: Mapping[str, str], live: bool, session:
     if not live:
         return [skipped("aws_live", "live AWS checks turned off (--offline)")]
     if session is None and not has_aws_credentials(env):
-        return [skipped("aws_live", "no AWS credentials (AWS_ACCESS_KEY_ID, a profile or an instance profile): live checks "
-                        "skipped; the exit code reflects the static checks only")]
+        return [skipped("aws_live", "no AWS credentials (AWS_ACCESS_KEY_ID, a profile or an instance profile): "
+                        "live checks skipped; the exit code reflects the static checks only")]
     try:
         facts = gather_facts(prepared, session, quota_lookup)
     except Exception as error:  # no network, access denied, bad endpoint: say so, do not crash

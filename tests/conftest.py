@@ -115,8 +115,8 @@ def ray_cluster():
         # and 0.5-CPU worker group outlived the sweep) would leave this test's workers unplaceable, and
         # Ray Train retries an unplaceable group without end: start a clean cluster instead.
         warnings.warn(f"the shared Ray cluster still had CPUs held after the last test "
-                      f"({ray.available_resources().get('CPU', 0):g} of {ray.cluster_resources().get('CPU', 0):g} free): "
-                      "restarted it")
+                      f"({ray.available_resources().get('CPU', 0):g} of "
+                      f"{ray.cluster_resources().get('CPU', 0):g} free): restarted it")
         _stop_shared_cluster()
     if not (_shared["up"] and ray.is_initialized()):
         from training.run.session import live_local_cluster

@@ -48,7 +48,8 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert streaming["loader_rows_per_s"] > 0 and 0.4 < streaming["read_fraction_per_worker"] <= 1
     assert 0 < streaming["row_groups_held_max"] <= streaming["budget_mb"] * 2**20 / (8192 * 264)
     assert {"parquet", "text"} == set(rows["driver_memory"])
-    assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"] for v in rows["driver_memory"].values())
+    assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"]
+               for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]
     assert tokenizing["rows"] > 0 and tokenizing["ray_data_vs_one_process"] > 0
     system = rows["system_metrics"]

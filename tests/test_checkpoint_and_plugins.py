@@ -41,7 +41,8 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     fresh_optimizer = build_optimizer(OptimConfig(), fresh)
     fresh_optimizer.load_state_dict(state["optimizer"])
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"],
+                       optimizer.state_dict()["state"][0]["exp_avg"])
     meta = json.loads((tmp_path / ckpt.META_FILE).read_text())
     assert (meta["step"], meta["epoch"], meta["position_in_epoch"], meta["world_size"]) == (17, 3, 2, 2)
     assert meta["metrics"] == {"val_loss": 0.5} and meta["format_version"] == ckpt.FORMAT_VERSION
@@ -143,7 +144,8 @@ def test_a_run_on_a_described_cluster_is_priced(monkeypatch):
     table = load_price_table()
     expected = 2 * (table.get("m5.xlarge").on_demand_usd_per_hour + 2 * table.get("g5.xlarge").spot_usd_per_hour)
     assert metrics["cluster_cost_usd_estimate"] == pytest.approx(expected, rel=1e-3)
-    assert metrics["cluster_gpu_energy_kwh_estimate"] == pytest.approx(2 * 2 * table.get("g5.xlarge").gpu_rated_watts / 1000)
+    assert metrics["cluster_gpu_energy_kwh_estimate"] == pytest.approx(
+        2 * 2 * table.get("g5.xlarge").gpu_rated_watts / 1000)
     assert cluster_config_path("~/x.yaml").endswith("/x.yaml")
 
 

@@ -75,7 +75,8 @@ def test_a_cluster_that_refuses_the_driver_exits_2_and_nothing_is_written(ray_cl
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: the Ray cluster at {address} (RAY_ADDRESS) refused this driver"), last
     assert "auth_token" in last and "Traceback" not in result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["job.yaml", "my_plugins.py", "runs"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") \
+        == ["job.yaml", "my_plugins.py", "runs"]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["datasets"]
 
 

@@ -202,7 +202,8 @@ def test_every_node_installs_what_pyproject_lists(path):
     import tomllib
     from packaging.requirements import Requirement
 
-    wanted = {Requirement(r).name: Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    wanted = {Requirement(r).name: Requirement(r)
+              for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
     commands = yaml.safe_load(path.read_text())["setup_commands"]
     installed = {}
     for command in commands:
@@ -211,6 +212,7 @@ def test_every_node_installs_what_pyproject_lists(path):
             installed.update({Requirement(w).name: Requirement(w) for w in words[2:] if not w.startswith("-")})
     assert set(wanted) <= set(installed), sorted(set(wanted) - set(installed))
     for name, requirement in wanted.items():
-        assert installed[name].specifier == requirement.specifier or str(installed[name].specifier).startswith("=="), name
+        assert (installed[name].specifier == requirement.specifier
+                or str(installed[name].specifier).startswith("==")), name
         assert requirement.extras <= installed[name].extras, name
     assert "auth" in installed["mlflow"].extras and "nvidia-ml-py" in installed

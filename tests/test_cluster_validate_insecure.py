@@ -90,7 +90,8 @@ def _token_assigned_in_command(c):
 
 
 def _world_as_two_halves_on_ssh(c):
-    c["provider"]["security_group"]["IpPermissions"][0]["IpRanges"] = [{"CidrIp": "0.0.0.0/1"}, {"CidrIp": "128.0.0.0/1"}]
+    c["provider"]["security_group"]["IpPermissions"][0]["IpRanges"] = [{"CidrIp": "0.0.0.0/1"},
+                                                                      {"CidrIp": "128.0.0.0/1"}]
 
 
 def _world_as_two_halves_on_all_ports(c):

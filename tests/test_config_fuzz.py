@@ -120,8 +120,9 @@ def test_any_job_mapping_is_a_valid_config_or_a_bad_input_error(raw):
 @SETTINGS
 @given(overrides=st.lists(st.one_of(ODD_TEXT, st.builds(lambda k, v: f"{k}={v}", ODD_TEXT, ODD_TEXT),
                                     st.builds(lambda k, v: f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}",
-                                              st.sampled_from(["optim.lr", "train", "scaling.num_workers", "model.options",
-                                                               "seed", "optim.betas", "train.max_steps.x"]), JUNK)),
+                                              st.sampled_from(["optim.lr", "train", "scaling.num_workers",
+                                                               "model.options", "seed", "optim.betas",
+                                                               "train.max_steps.x"]), JUNK)),
                           max_size=3))
 @example(overrides=["name=\x00"])  # (a control character was a YAML reader error, not a message)
 def test_any_set_override_is_applied_or_refused(overrides):
@@ -131,12 +132,14 @@ def test_any_set_override_is_applied_or_refused(overrides):
 DIMENSIONS = st.one_of(
     st.fixed_dictionaries({}, optional={kind: st.one_of(st.lists(SCALARS, max_size=3), JUNK) for kind in KINDS}),
     JUNK)
-SPACE_PATHS = st.sampled_from(["optim.lr", "optim.weight_decay", "train.global_batch_size", "seed", "model.options.dropout",
-                               "tracking.experiment", "name", "optim", "x.y", "train.max_steps"])
+SPACE_PATHS = st.sampled_from(["optim.lr", "optim.weight_decay", "train.global_batch_size", "seed",
+                               "model.options.dropout", "tracking.experiment", "name", "optim", "x.y",
+                               "train.max_steps"])
 SWEEPS = st.one_of(section(sweep_config.SweepConfig, {
     "base": st.one_of(st.just(str(CONFIGS / "digits.yaml")), st.just("missing.yaml"), JOBS),
     "space": st.one_of(st.dictionaries(SPACE_PATHS, DIMENSIONS, max_size=3), JUNK),
-    "set": st.one_of(st.lists(st.sampled_from(["train.max_steps=5", "optim.lr=-1", "x=1", "=", "optim.lr"]), max_size=2),
+    "set": st.one_of(st.lists(st.sampled_from(["train.max_steps=5", "optim.lr=-1", "x=1", "=", "optim.lr"]),
+                              max_size=2),
                      JUNK),
 }), JUNK)
 

@@ -22,11 +22,13 @@ def test_progress_lines_lose_rays_prefix_and_rays_own_actors_go_to_the_log():
                 "Actor with class name: 'PreemptionWatcher' has constructor arguments in the object store"
     assert router.route(ray_train, is_err=True).place is Place.LOG
     own = f"{CYAN}(TrainController pid=4242){RESET} tracking: MLflow at http://h:5000 is unreachable"
-    assert router.route(own, is_err=True) == type(router.route(own))(Place.CONSOLE, "tracking: MLflow at http://h:5000 is unreachable")
+    assert router.route(own, is_err=True) == type(router.route(own))(
+        Place.CONSOLE, "tracking: MLflow at http://h:5000 is unreachable")
     assert router.route("Successfully registered model 'digits-digits_mlp'.", is_err=True).place is Place.LOG
     watcher = f"{CYAN}(PreemptionWatcher pid=99){RESET} WARNING: constructor arguments are large"
     assert router.route(watcher).place is Place.LOG
-    assert router.route("(PlacementGroupCleaner pid=5) Failed to query Ray Train Controller actor state").place is Place.LOG
+    assert router.route("(PlacementGroupCleaner pid=5) "
+                        "Failed to query Ray Train Controller actor state").place is Place.LOG
     worker = "(RayTrainWorker pid=12) my plug-in says hello"
     assert router.route(worker).place is Place.CONSOLE and router.route(worker).text == worker
     assert router.route("run r1 finished: 400 steps in 53 s").place is Place.CONSOLE

@@ -196,7 +196,8 @@ def test_a_changed_shard_of_a_reused_dataset_is_refused(tmp_path):
 
     table = pq.read_table(shard)
     labels = table.column("y").to_numpy()
-    pq.write_table(table.set_column(table.schema.get_field_index("y"), "y", pa.array((labels + 1) % 10, type=table.column("y").type)), shard,
+    pq.write_table(table.set_column(table.schema.get_field_index("y"), "y",
+                                    pa.array((labels + 1) % 10, type=table.column("y").type)), shard,
                    compression="zstd")
     again = prepare(data_section(dict(source="digits", num_shards=2)), str(tmp_path), log=quiet)  # reused as it is
     assert "train/part-00001.parquet has SHA-256" in changed_shard(again)

@@ -28,7 +28,8 @@ def test_parallel_section_is_typed_and_strict():
     assert job.parallel.strategy == "fsdp" and job.parallel.mixed_precision == "auto"
     assert config_lib.load(CONFIGS / "tinylm.yaml").parallel.strategy == "ddp"  # the default is unchanged
     for override, expected in [("parallel.strategy=zero3", "parallel.strategy: must be 'ddp' or 'fsdp'"),
-                               ("parallel.shard=true", "parallel.shard: unknown key; allowed: activation_checkpointing"),
+                               ("parallel.shard=true",
+                                "parallel.shard: unknown key; allowed: activation_checkpointing"),
                                ("parallel.mixed_precision=fp16", "parallel.mixed_precision"),
                                ("parallel.cpu_offload=true", "parallel.cpu_offload needs parallel.strategy: fsdp"),
                                ("model.options={preset: huge}", "model.options.preset"),
@@ -200,7 +201,8 @@ def test_onnx_export_round_trips(tmp_path):
                       {"task": "language_model", "vocab_size": 256, "seq_len": 32})
     result = export_onnx(gpt, torch.randint(0, 256, (3, 32)), tmp_path / "gpt.onnx")
     assert result["onnx_max_abs_diff"] < 1e-3 and result["onnx_bytes"] > 0
-    mlp = build_model(model_section({"name": "digits_mlp"}), {"task": "classification", "input_dim": 64, "num_classes": 10})
+    mlp = build_model(model_section({"name": "digits_mlp"}),
+                      {"task": "classification", "input_dim": 64, "num_classes": 10})
     assert export_onnx(mlp, torch.rand(4, 64), tmp_path / "mlp.onnx")["onnx_max_abs_diff"] < 1e-3
 
     class Drifting(torch.nn.Module):  # traced once, a constant in ONNX; PyTorch's answer moves on
@@ -291,8 +293,9 @@ def test_fsdp_matches_ddp_and_its_sharded_checkpoints_resume_at_another_world_si
     from training.run.driver import run_training
 
     ddp = run_training(config_lib.load(CONFIGS / "tinylm.yaml", RUN, name="ddp"), log=print)
-    fsdp = run_training(config_lib.load(CONFIGS / "tinylm.yaml", RUN + ["parallel.strategy=fsdp", "checkpoint.upload=async"],
-                                        name="fsdp"), log=print)
+    fsdp = run_training(config_lib.load(CONFIGS / "tinylm.yaml",
+                                        RUN + ["parallel.strategy=fsdp", "checkpoint.upload=async"], name="fsdp"),
+                        log=print)
 
     # The same seed and global batch: the same loss curve (only the order of float sums differs).
     ddp_curve, client = _history(workdir, ddp.mlflow_run_id)

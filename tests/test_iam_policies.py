@@ -40,7 +40,8 @@ def _condition_holds(operator: str, key: str, expected, context: dict) -> bool:
         return True if (if_exists or negated) else False
     if operator == "Bool":
         return any(str(v).lower() == str(e).lower() for v in _values(context[key]) for e in _values(expected))
-    match = fnmatch.fnmatchcase if operator.startswith("StringLike") or operator.startswith("StringNotLike") else str.__eq__
+    match = (fnmatch.fnmatchcase if operator.startswith("StringLike") or operator.startswith("StringNotLike")
+             else str.__eq__)
     hit = any(match(str(v), str(e)) for v in _values(context[key]) for e in _values(expected))
     return not hit if negated else hit
 
@@ -66,7 +67,8 @@ def policy(name: str) -> dict:
     return json.loads((IAM / name).read_text().replace(ACCOUNT_PLACEHOLDER, ACCOUNT))
 
 
-@pytest.mark.parametrize("name, key", [("head-policy.json", "mlflow/1/a/model.pt"), ("worker-policy.json", "runs/r/checkpoint-00000010/state.pt")])
+@pytest.mark.parametrize("name, key", [("head-policy.json", "mlflow/1/a/model.pt"),
+                                       ("worker-policy.json", "runs/r/checkpoint-00000010/state.pt")])
 def test_writes_without_an_encryption_header_are_allowed(name, key):
     # pyarrow and Ray Train send no SSE header: the bucket's default encryption applies.
     assert decide(policy(name), "s3:PutObject", f"{BUCKET}/{key}") == "allowed"
@@ -206,9 +208,9 @@ GOOD = tagged_volumes({"InstanceType": "g5.xlarge", "ImageId": "ami-0a2b85e15b7c
 @pytest.mark.parametrize("node_type", sorted(worker_node_configs()))
 def test_the_launches_cluster_yaml_makes_are_allowed(node_type):
     node_config = worker_node_configs()[node_type]
-    assert _tag_spec(node_config, "volume"), (f"cluster.yaml's {node_type} must tag its volumes at launch: its node_config "
-                                              "needs TagSpecifications [{ResourceType: volume, Tags: [{Key: "
-                                              "ray-cluster-name, Value: raytrain}]}]")
+    assert _tag_spec(node_config, "volume"), (f"cluster.yaml's {node_type} must tag its volumes at launch: "
+                                              "its node_config needs TagSpecifications [{ResourceType: volume, "
+                                              "Tags: [{Key: ray-cluster-name, Value: raytrain}]}]")
     assert launch(node_config) == "allowed"
 
 

@@ -50,7 +50,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> list[Import]:
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
                 if child.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - child.level + 1] + ([base] if base else []))
+                    base = ".".join(package.split(".")[:len(package.split(".")) - child.level + 1]
+                                    + ([base] if base else []))
                 for alias in child.names:  # `from a import b` imports a.b when b is a module
                     sub = f"{base}.{alias.name}"
                     found.append(Import(name, sub if sub in known else base, child.lineno, in_function))

@@ -45,7 +45,8 @@ def test_a_literal_url_is_masked_wherever_the_config_is_shown():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"url": "https://h.example/x", "on": ["finish"]}, "tracking.notify.0.on.0: must be 'finished', 'failed', 'preempted' or 'restarted'"),
+    ({"url": "https://h.example/x", "on": ["finish"]},
+     "tracking.notify.0.on.0: must be 'finished', 'failed', 'preempted' or 'restarted'"),
     ({"url": "ftp://h.example/x"}, "tracking.notify.0.url: the URL ftp://h.example/*** must start with https://"),
     ({"url": "https://"}, "tracking.notify.0.url: the URL *** names no host"),
     ({"url": f"https://h.example/{SECRET} x"}, "tracking.notify.0.url: the URL https://h.example/*** contains a space"),
@@ -89,7 +90,8 @@ def test_messages_carry_what_a_person_needs_and_a_slack_text():
     assert "error: training run r1 failed: boom" in failed["text"]
     sweep = sweep_message("finished", "s", counts={"finished": 2, "stopped": 1, "failed": 0}, metric="val_accuracy",
                           best={"trial_id": "t1", "run": "s-t1", "value": 0.97, "steps": 40, "params": {}})
-    assert sweep["text"].startswith("sweep s finished: 2 finished, 1 stopped, 0 failed") and "best trial t1" in sweep["text"]
+    assert sweep["text"].startswith("sweep s finished: 2 finished, 1 stopped, 0 failed") \
+        and "best trial t1" in sweep["text"]
     assert notify.mlflow_run_url("http://u:pw@mlflow.example:5000/", "3", "abc") == \
         "http://mlflow.example:5000/#/experiments/3/runs/abc"
     assert notify.mlflow_run_url("sqlite:///mlflow.db", "3", "abc") is None
@@ -124,7 +126,8 @@ def test_a_receiver_that_is_down_costs_a_warning_and_no_exception():
     with receiver() as down:
         url = down.url(f"/{SECRET}")
     warnings = []
-    notifier = Notifier([Target("tracking.notify.0", url, ("failed",))], PostPolicy(backoff_s=0.01), warn=warnings.append)
+    notifier = Notifier([Target("tracking.notify.0", url, ("failed",))], PostPolicy(backoff_s=0.01),
+                        warn=warnings.append)
     (delivery,) = notifier.notify("failed", run_message("failed", "r1"))
     assert not delivery.delivered and delivery.attempts == 3
     assert "ConnectionRefusedError" in warnings[0] or "Connection refused" in warnings[0]
@@ -135,7 +138,8 @@ def test_a_preemption_notice_on_the_controller_posts_preempted(tmp_path):
     from training.observe.callback import RunEvents
 
     with receiver() as hook:
-        events = RunEvents("r1", str(tmp_path / "r1"), Notifier([Target("tracking.notify.0", hook.url(), ("preempted",))]))
+        events = RunEvents("r1", str(tmp_path / "r1"),
+                           Notifier([Target("tracking.notify.0", hook.url(), ("preempted",))]))
         events.on_report({"step": 12, "total_steps": 50, "val_loss": 0.3}, checkpointed=False)
         events.on_state("RUNNING", "PREEMPTING")
         events.on_state("PREEMPTING", "PREEMPTING")  # the controller polls the drain: one notice, one post

@@ -1,6 +1,7 @@
 """Notifications and status of real runs on the shared local Ray cluster, with a real webhook
 receiver (http.server on loopback): a good run posts `finished` once (and a receiver that is down
-changes nothing; it also logs the step-time breakdown and a profiler trace), a run whose worker is SIGKILLed posts `restarted` once, and `failed` once when a
+changes nothing; it also logs the step-time breakdown and a profiler trace), a run whose worker is \
+SIGKILLed posts `restarted` once, and `failed` once when a
 second kill exhausts its budget; `status` shows each run running, then finished or failed; the
 webhook URL is in no file, MLflow record or output line."""
 
@@ -110,7 +111,8 @@ def test_a_killed_worker_posts_restarted_and_a_second_kill_posts_failed(ray_clus
                 kills.append(1)
                 wait_for(lambda: hook.events() == ["restarted"], 60, "the restarted post")
                 before = progress_step()
-                wait_for(lambda: progress_step() > before and train_worker_pids(), 180, "a report of the restarted group")
+                wait_for(lambda: progress_step() > before and train_worker_pids(), 180,
+                         "a report of the restarted group")
                 kills.append(status_of(workdir / "runs", "killed"))
                 os.kill(train_worker_pids()[0], signal.SIGKILL)
                 kills.append(1)

@@ -88,7 +88,8 @@ def test_a_run_streams_a_spark_table_in_place_resumes_bit_identically_and_refuse
     chaotic = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides, name="parquet-chaos"), log=print)
     killer.join(timeout=5)
     assert kills and chaotic.steps == 150
-    expected, actual = final_weights(workdir / "runs" / "parquet-digits"), final_weights(workdir / "runs" / "parquet-chaos")
+    expected, actual = (final_weights(workdir / "runs" / "parquet-digits"),
+                        final_weights(workdir / "runs" / "parquet-chaos"))
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected), "weights differ after a restart"
 

@@ -205,7 +205,8 @@ def test_a_table_spark_wrote_is_indexed_and_read_as_written(tmp_path, written):
     files = list_files(str(table))
     assert len(files) == 8 and {f.partition["day"] for f in files} == {"2026-01-01", "2026-01-02"}
     first = pq.ParquetFile(files[0].uri.removeprefix("file://"))
-    assert first.metadata.created_by.startswith("parquet-mr") and b"org.apache.spark.version" in first.schema_arrow.metadata
+    assert first.metadata.created_by.startswith("parquet-mr") \
+        and b"org.apache.spark.version" in first.schema_arrow.metadata
     opts = parquet.ParquetOptions(path=str(table), features="pixels", label="digit", validation_fraction=0.25)
     index = parquet.index_of(opts)
     splits = index["splits"]
@@ -240,7 +241,8 @@ def test_a_changed_file_is_named(tmp_path):
 @pytest.mark.parametrize("mutate, message", [
     (lambda root: pq.write_table(pa.table({"f0": [1.0], "label": [1]}), root / "extra.parquet"),
      "extra.parquet has no column 'f1'"),
-    (lambda root: pq.write_table(pa.table({"f0": pa.array([1.0], pa.float32()), "f1": pa.array([2.0], pa.float32()), "label": [-1]}), root / "neg.parquet"),
+    (lambda root: pq.write_table(pa.table({"f0": pa.array([1.0], pa.float32()), "f1": pa.array([2.0], pa.float32()),
+                                           "label": [-1]}), root / "neg.parquet"),
      "column 'label' has negative values"),
     (lambda root: (root / "junk.parquet").write_bytes(b"not parquet at all"), "junk.parquet is not a readable Parquet"),
 ])
@@ -313,7 +315,8 @@ def test_a_read_retries_through_a_storage_outage(tmp_path, monkeypatch, moto_end
     create_bucket(outage.endpoint, "outage")
     write_spark_like(tmp_path / "t")
     s3, _ = pafs.FileSystem.from_uri("s3://outage/")
-    pafs.copy_files(str(tmp_path / "t"), "outage/t", source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
+    pafs.copy_files(str(tmp_path / "t"), "outage/t", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=s3)
     split = parquet.index_of(options("s3://outage/t"))["splits"]["train"]
     reader = FileReader(split, options("s3://outage/t").columns(),
                                 retry=RetryPolicy(attempts=8, first_delay_s=1, max_delay_s=2, budget_s=60))

@@ -52,7 +52,8 @@ def test_the_run_record_keeps_no_password_and_a_changed_password_is_the_same_sto
     record = Record.read(uri, "r", "storage")
     record.check_tracking(f"http://alice:{SECRET}@mlflow:5000")
     record.check_tracking("http://alice:rotated@mlflow:5000")
-    with pytest.raises(ConfigError, match=r"tracked at http://alice:\*\*\*@mlflow:5000, not http://alice:\*\*\*@other:5000") as caught:
+    with pytest.raises(ConfigError, match=r"tracked at http://alice:\*\*\*@mlflow:5000, "
+                                          r"not http://alice:\*\*\*@other:5000") as caught:
         record.check_tracking(f"http://alice:{SECRET}@other:5000")
     assert SECRET not in str(caught.value)
 

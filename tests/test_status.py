@@ -49,7 +49,8 @@ def started_run(storage, name="r1", targets=()):
 def test_a_running_then_restarted_then_finished_run(tmp_path):
     storage = tmp_path / "runs"
     with receiver() as hook:
-        run_dir, driver, events = started_run(storage, targets=[Target("tracking.notify.0", hook.url(), ("restarted",))])
+        run_dir, driver, events = started_run(storage,
+                                              targets=[Target("tracking.notify.0", hook.url(), ("restarted",))])
         write_checkpoint(run_dir, 20)
         write_checkpoint(run_dir, 40, complete=False)
         events.on_state("SCHEDULING", "RUNNING")
@@ -117,7 +118,8 @@ def test_watch_refreshes_until_the_run_ends(tmp_path):
     code = status_main(["r1", "--storage", str(storage), "--watch", "--interval", "2"], out=lines.append, sleep=sleep)
     text = "\n".join(lines)
     assert code == 0 and sleeps == [2.0]
-    assert text.index("run r1: running") < text.index("step 10/20") < text.index("run r1: finished") < text.index("step 20/20")
+    assert text.index("run r1: running") < text.index("step 10/20") < text.index("run r1: finished") \
+        < text.index("step 20/20")
 
 
 def test_unknown_run_or_storage_exits_2_naming_it(tmp_path):

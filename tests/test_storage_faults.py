@@ -131,7 +131,8 @@ def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_r
                      "scaling.num_workers=1", "tracking.register_model=false"]
         first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="again"))
         assert first.steps == 40 and not first.resumed
-        second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))
+        second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"],
+                                              name="again"))
         assert second.steps == 80 and second.resumed
         # Once more: nothing left to train; the run ends with its last checkpoint's step and metrics.
         third = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"], name="again"))

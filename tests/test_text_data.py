@@ -91,7 +91,8 @@ def test_packing_puts_eos_between_documents_in_rows_of_seq_len_plus_one(tmp_path
     column = pq.read_table(written).column("tokens")
     assert column.type == pa.list_(pa.int32(), 17)
     rows = np.array(column.to_pylist())
-    groups = [pq.ParquetFile(written).metadata.row_group(g).num_rows for g in range(pq.ParquetFile(written).num_row_groups)]
+    groups = [pq.ParquetFile(written).metadata.row_group(g).num_rows
+              for g in range(pq.ParquetFile(written).num_row_groups)]
     assert rows.shape == (counts["rows"], 17) and max(groups) == 3 and sum(groups) == counts["rows"]
     stream = np.concatenate([np.r_[tokenizer.encode(d, add_special_tokens=False).ids, 0] for d in texts[source]])
     assert counts["tokens"] == len(stream) and counts["dropped_tokens"] == len(stream) - rows.size < 17
@@ -202,7 +203,8 @@ BAD = [
      ["data.options.path", "part1.jsonl line 3", "'body'"]),
     ("empty validation", _empty_validation, UserError, ["data.options.validation_path", "empty.txt"]),
     ("seq_len", lambda root: {"seq_len": 4}, ConfigError, ["data.options.seq_len"]),
-    ("both tokenizers", lambda root: {"tokenizer": {"file": "x", "train": {}}}, ConfigError, ["data.options.tokenizer"]),
+    ("both tokenizers", lambda root: {"tokenizer": {"file": "x", "train": {}}}, ConfigError,
+     ["data.options.tokenizer"]),
 ]
 
 
@@ -266,7 +268,8 @@ def test_the_command_refuses_bad_text_input_with_exit_2_before_ray(tmp_path):
     dirs = {case: tmp_path / f"cwd{i}" for i, case in enumerate(cases)}
     for folder in dirs.values():
         folder.mkdir()
-    results = run_cases("training.run.cli", [{"args": [config, "--set", case], "cwd": str(dirs[case])} for case in cases])
+    results = run_cases("training.run.cli",
+                        [{"args": [config, "--set", case], "cwd": str(dirs[case])} for case in cases])
     for (case, message), result in zip(cases.items(), results):
         assert result["returncode"] == 2 and message in result["stderr"], (case, result["stderr"])
         assert not result["ray_imported"] and list(dirs[case].iterdir()) == [], case

@@ -77,8 +77,10 @@ def test_a_batch_transform_sees_the_partitions_and_its_output_is_streamed(table,
     # Each output file keeps its input's row groups (the layout the streaming loader partitions).
     for path in Path(manifest.root).rglob("*.parquet"):
         source = next(p for p in table.rglob("*.parquet") if output_name(str(p)) == path.name)
-        assert [pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(pq.ParquetFile(path).num_row_groups)] \
-            == [pq.ParquetFile(source).metadata.row_group(g).num_rows for g in range(pq.ParquetFile(source).num_row_groups)]
+        assert [pq.ParquetFile(path).metadata.row_group(g).num_rows
+                for g in range(pq.ParquetFile(path).num_row_groups)] \
+            == [pq.ParquetFile(source).metadata.row_group(g).num_rows
+                for g in range(pq.ParquetFile(source).num_row_groups)]
 
     # Streamed: every training row once per epoch, scaled as the function scaled it.
     by_pixels = {tuple(np.round(p / 16, 5)): digit for p, digit, _ in input_rows(table).values()}
@@ -184,8 +186,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("case, change, error, words", BAD, ids=[c[0] for c in BAD])
-def test_bad_transforms_are_refused_naming_the_option_and_file_with_nothing_written(table, tmp_path, case, change, error,
-                                                                                     words):
+def test_bad_transforms_are_refused_naming_the_option_and_file_with_nothing_written(table, tmp_path, case, change,
+                                                                                     error, words):
     options = data_options(table)
     options = {**options, "transform": {**options["transform"], **change}}
     with pytest.raises(error) as raised:
@@ -239,10 +241,11 @@ def test_a_run_transforms_on_the_cluster_with_ray_data_and_trains_on_the_output(
     assert any("transformed 8 of 8 files" in line and "on the cluster (Ray Data)" in line for line in lines)
     (root,) = (workdir / "runs" / "datasets").glob("transform-*")
     on_cluster = Manifest.load(str(root))
-    in_driver = prepare(data_section(dict(source="parquet", options={**config_lib.load(CONFIGS / "digits.yaml", overrides).data.options_as_written(),
-                                                              "transform": {"function": "plugins.transforms:scale_pixels",
-                                                                            "run_on": "driver"}})),
-                        str(workdir / "again"), log=print)
+    in_driver = prepare(
+        data_section(dict(source="parquet",
+                          options={**config_lib.load(CONFIGS / "digits.yaml", overrides).data.options_as_written(),
+                                   "transform": {"function": "plugins.transforms:scale_pixels", "run_on": "driver"}})),
+        str(workdir / "again"), log=print)
     assert on_cluster.splits["train"]["rows"] == in_driver.splits["train"]["rows"]
     for path in root.rglob("*.parquet"):  # the same rows, wherever transformed
         twin = Path(in_driver.root) / path.relative_to(root)

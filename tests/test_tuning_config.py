@@ -99,7 +99,8 @@ def test_concurrency_keeps_room_for_one_trials_workers():
 
 
 def test_on_an_autoscaling_cluster_trials_beyond_what_fits_now_wait_as_demand():
-    trial = TrialResources(driver={"CPU": 0.25}, min_workers={"CPU": 1.0, "GPU": 1.0}, max_workers={"CPU": 1.0, "GPU": 1.0})
+    trial = TrialResources(driver={"CPU": 0.25}, min_workers={"CPU": 1.0, "GPU": 1.0},
+                           max_workers={"CPU": 1.0, "GPU": 1.0})
     head_only = {"CPU": 4.0}
     largest = {"CPU": 36.0, "GPU": 8.0}
     # nothing fits now, but 8 GPU nodes may come: 8 trials start, their workers are pending demand

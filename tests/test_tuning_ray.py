@@ -28,7 +28,8 @@ def write_sweep(tmp_path, body: str, sets=()):
 
 def children_of(client, parent_run_id):
     experiment = client.get_experiment_by_name("sweeps")
-    return client.search_runs([experiment.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    return client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
 
 
 @pytest.mark.timeout(420)
@@ -54,7 +55,8 @@ def test_asha_sweep_stops_poor_trials_tracks_them_nested_and_registers_the_best(
     by_status = {s: [r for r in summary.rows if r.status == s] for s in ("finished", "stopped", "failed")}
     assert len(summary.rows) == 6 and summary.concurrency == 2
     # a global batch of 5000 is more than digits has: those trials fail for good, the sweep goes on
-    assert {r.params["train.global_batch_size"] for r in by_status["failed"]} == {5000} and len(by_status["failed"]) == 3
+    assert {r.params["train.global_batch_size"] for r in by_status["failed"]} == {5000} \
+        and len(by_status["failed"]) == 3
     assert by_status["stopped"], "ASHA stopped no trial"
     assert all(r.steps < 40 and r.params["optim.lr"] == 0.00001 for r in by_status["stopped"])
     assert summary.best.params["optim.lr"] == 0.03 and summary.best.status == "finished"

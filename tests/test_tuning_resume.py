@@ -50,7 +50,8 @@ def test_a_sweep_whose_driver_was_killed_resumes_with_the_same_command(ray_clust
     # has (metrics still queued in the killed driver's processes when it dies are not what this is about).
     while time.monotonic() < deadline and driver.poll() is None:
         finished = [p for p in runs.glob("again-*") if (p / "summary.json").exists()]
-        running = [p for p in runs.glob("again-*") if not (p / "summary.json").exists() and list(p.glob("checkpoint-*"))]
+        running = [p for p in runs.glob("again-*")
+                   if not (p / "summary.json").exists() and list(p.glob("checkpoint-*"))]
         if finished and running:
             client = client or MlflowClient(f"sqlite:///{workdir}/mlflow.db")  # (created by the sweep by now)
             if tracked_history(client, "sweeps", "val_accuracy", running[0].name):

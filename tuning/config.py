@@ -122,7 +122,6 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     base_raw, base = _load_base(sweep, path)
     space = _check_space(sweep, base_raw)
     if base.tracking.cluster_config:  # trials price themselves by it at their end: refused now if unusable
-
         check_cluster_config(storage.absolute(base.tracking.cluster_config, base_dir()))
     return Sweep(config=sweep, name=final_name, space=space, base_raw=base_raw, base=base)
 
@@ -136,7 +135,8 @@ def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
         if not base_path.is_absolute() and (sweep_path.parent / base_path).is_file():
             base_path = sweep_path.parent / base_path
         raw = config_lib.read_yaml_mapping(base_path, "base: job config",
-                                           "a relative path is looked up next to the sweep file, then in the working directory")
+                                           "a relative path is looked up next to the sweep file, "
+                                           "then in the working directory")
         source = f"base {base_path}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")

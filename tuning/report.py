@@ -47,7 +47,6 @@ class TrialRow:
 
 
 def start_parent(sweep: Sweep, paths, state: Optional[Record]):
-
     if paths.tracking_uri is None:
         return NullTracker()
     params = {f"space.{path}": dim.describe() for path, dim in sweep.space.items()}
@@ -140,7 +139,6 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, 
             client.log_artifact(parent.run_id, str(plot), "plots")
         best = summary.best
         if best is not None:
-
             setup = TrialSetup(sweep.name, absolute_base(sweep, paths), paths.base_dir, paths.tracking_uri,
                                sweep.base.tracking.experiment, parent.run_id, False)
             job = trial_job(setup, best.params, best.run)
@@ -175,11 +173,10 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
         with fluent_mlflow(parent.tracking_uri):
             version = mlflow.register_model(logged[0].model_uri, name).version
     elif best.checkpoint_path:
-
         fs, path = storage.filesystem(best.checkpoint_path)
         model = load_final_model(job, manifest, ray.train.Checkpoint(path, filesystem=fs))
-        registering = job.model_copy(update={"tracking": job.tracking.model_copy(update={"register_model": True,
-                                                                                          "registered_model_name": name})})
+        registering = job.model_copy(update={"tracking": job.tracking.model_copy(
+            update={"register_model": True, "registered_model_name": name})})
         version = log_model(registering, manifest, model, MlflowTracker(parent.tracking_uri, best.mlflow_run_id))[
             "registered_version"]
     else:

@@ -116,7 +116,6 @@ def orphaned_groups(job_id: str) -> list[str]:
 
 
 def release_orphaned_groups(job_id: str) -> list[str]:
-
     released = []
     for group_id in orphaned_groups(job_id):
         try:
@@ -128,7 +127,6 @@ def release_orphaned_groups(job_id: str) -> list[str]:
 
 
 def _current_job_id() -> str:
-
     return ray.get_runtime_context().get_job_id()
 
 
@@ -151,7 +149,6 @@ class ReleaseStoppedTrials(_TuneCallback):
         self._last = 0.0
 
     def _release(self) -> None:
-
         self._last = time.monotonic()
         freed = release_orphaned_groups(_current_job_id())
         if freed:
@@ -159,7 +156,6 @@ class ReleaseStoppedTrials(_TuneCallback):
         ReleaseStoppedTrials.total_released += len(freed)
 
     def on_step_end(self, iteration, trials, **info):
-
         if time.monotonic() - self._last >= self.every_s:
             self._release()
 

@@ -33,8 +33,8 @@ def tune_config(sweep: Sweep, max_concurrent_trials: int):
 
     cfg = sweep.config
     return tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
-                           max_concurrent_trials=max_concurrent_trials, search_alg=_search(sweep, max_concurrent_trials),
-                           scheduler=_scheduler(sweep))
+                           max_concurrent_trials=max_concurrent_trials,
+                           search_alg=_search(sweep, max_concurrent_trials), scheduler=_scheduler(sweep))
 
 
 def _search(sweep: Sweep, max_concurrent_trials: int):

@@ -163,7 +163,8 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
                 tune_config=schedule.tune_config(sweep, decision.trials),
                 run_config=tune.RunConfig(
                     name=sweep.name, storage_path=storage.join(paths.storage_path, "sweeps"),
-                    callbacks=[release], failure_config=tune.FailureConfig(max_failures=sweep.config.trial.max_failures),
+                    callbacks=[release],
+                    failure_config=tune.FailureConfig(max_failures=sweep.config.trial.max_failures),
                     checkpoint_config=tune.CheckpointConfig(num_to_keep=None), verbose=1))
         grid = tuner.fit()
         time.sleep(1.0)  # the last trials' controllers end with their actors

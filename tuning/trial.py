@@ -137,7 +137,6 @@ def train_trial(params: dict, setup: TrialSetup) -> None:
 
 
 def _report(item: dict, run_name: str, trial_id: str) -> None:
-
     metrics = {k: v for k, v in item["metrics"].items() if isinstance(v, (int, float, str))}
     metrics["training_run"] = run_name
     checkpoint = item["checkpoint"]

@@ -152,7 +152,8 @@ class FileReader:
             if info.type == pafs.FileType.NotFound:
                 raise FileNotFoundError(path)
             if entry.get("size") is not None and info.size != entry["size"]:
-                raise DataError(f"{redact(entry['uri'])} changed during the run (size {entry['size']} -> {info.size} bytes): "
+                raise DataError(f"{redact(entry['uri'])} changed during the run (size {entry['size']} -> "
+                                f"{info.size} bytes): "
                                 "training data must stay as it was when the run started; restore the file, or "
                                 "start a new run (--name) on the data as it is now")
             handles[index] = pq.ParquetFile(fs.open_input_file(path))

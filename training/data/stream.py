@@ -59,7 +59,8 @@ def deal(row_groups: Sequence[RowGroup], seed: int, epoch: int, partitions: int)
     dealt: list[list[tuple[int, int, int]]] = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left"))
-        dealt.append([(int(order[i]), max(lo, int(starts[i])) - int(starts[i]), min(hi, int(ends[i])) - max(lo, int(starts[i])))
+        dealt.append([(int(order[i]), max(lo, int(starts[i])) - int(starts[i]),
+                       min(hi, int(ends[i])) - max(lo, int(starts[i])))
                       for i in range(first, last) if min(hi, int(ends[i])) > max(lo, int(starts[i]))])
     return dealt
 
@@ -258,7 +259,8 @@ class StreamingShard:
         # the rank's partitions: the windows a chunk reads, the ones a chunk reaches into, the next ones
         touched = int(np.searchsorted(self._epoch(0).offsets, self._hi, side="left")
                       - np.searchsorted(self._epoch(0).offsets, self._lo, side="right") + 1)
-        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3, threads=read_threads if read_ahead else 0)
+        self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3,
+                                   threads=read_threads if read_ahead else 0)
         self._group_start = np.cumsum([0] + [g.rows for g in self.row_groups])  # sample id = start + row
         self._chunk: tuple[int, int, dict[str, np.ndarray]] | None = None  # (first step, steps, columns)
         self._chunk_ids: np.ndarray | None = None  # (steps, rows of this worker's part)

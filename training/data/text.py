@@ -231,7 +231,6 @@ def tokenize_on_cluster(tasks: list[FileTask], sizes: dict[str, int], tokenizer_
     """Each file tokenized by a Ray Data task on any node (see file_work.files_on_cluster)."""
 
     def work(tasks: list[FileTask]) -> list[dict]:
-
         tokenizer = Tokenizer.from_str(tokenizer_json)
         return [tokenize_file(task, tokenizer, eos_id, width, group, text_column) for task in tasks]
 

@@ -61,8 +61,8 @@ def documents(uri: str, fmt: str, text_column: str, limit_bytes: Optional[int] =
             raise DataError(f"{uri} is not a readable Parquet file: {first_line(exc, 200)}") from None
         with handle:
             if text_column not in parquet.schema_arrow.names:
-                raise DataError(f"{uri} has no column {text_column!r} (it has: {', '.join(parquet.schema_arrow.names)}): "
-                                "set data.options.text_column")
+                raise DataError(f"{uri} has no column {text_column!r} (it has: "
+                                f"{', '.join(parquet.schema_arrow.names)}): set data.options.text_column")
             seen = 0
             for batch in parquet.iter_batches(batch_size=1024, columns=[text_column]):
                 docs = [d for d in batch.column(0).to_pylist() if d]

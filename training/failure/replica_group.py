@@ -114,7 +114,6 @@ class ReplicaGroup:
         self.started = self.started or replicas >= self.world_size
         used = self.global_batch_size
         if replicas < self.world_size:
-
             count = torch.tensor([float(part_size)], device=self.device)
             self.manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()  # a healing group adds 0
             used = int(round(count.item()))

@@ -168,9 +168,11 @@ def sweep_message(event: str, name: str, *, counts: dict, metric: str, best: Opt
                   error: Optional[str] = None) -> dict:
     """The JSON body posted for a sweep's end: the trial counts and the best trial
     (`best`: {trial_id, run, value, steps, params})."""
-    lines = [f"sweep {name} {event}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("finished", "stopped", "failed"))]
+    lines = [f"sweep {name} {event}: "
+             + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("finished", "stopped", "failed"))]
     if best:
-        lines.append(f"best trial {best['trial_id']} ({best['run']}): {metric} {best['value']:.4g} at step {best['steps']}")
+        lines.append(f"best trial {best['trial_id']} ({best['run']}): {metric} {best['value']:.4g} "
+                     f"at step {best['steps']}")
     lines += _closing_lines(error, mlflow_run_id, mlflow_url)
     return {"text": "\n".join(lines), "kind": "sweep", "name": name, "event": event, "status": event,
             "counts": counts, "metric": metric, "best": best, "mlflow_run_id": mlflow_run_id,

@@ -18,7 +18,8 @@ class RunWatch:
     controller's callbacks (progress.json, restarted/preempted posts), and the finished/failed post."""
 
     def __init__(self, name, paths, status, events, notifier, log):
-        self.name, self.paths, self.status, self.events, self.notifier, self.log = name, paths, status, events, notifier, log
+        (self.name, self.paths, self.status,
+         self.events, self.notifier, self.log) = name, paths, status, events, notifier, log
 
     @classmethod
     def start(cls, name: str, paths, tracker, targets, log) -> "RunWatch":

@@ -80,7 +80,8 @@ def describe(report: dict) -> list[str]:
         where = f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "")
         shown = " | ".join(f"{k} {v:.4g}" for k, v in report["metrics"].items() if k in KEY_METRICS)
         ago = report["progress_updated_s_ago"]
-        lines.append(f"  {where}" + (f" | {shown}" if shown else "") + (f"  (reported {ago:.0f} s ago)" if ago is not None else ""))
+        lines.append(f"  {where}" + (f" | {shown}" if shown else "")
+                     + (f"  (reported {ago:.0f} s ago)" if ago is not None else ""))
     else:
         lines.append("  no step reported yet")
     lines.append(f"  restarts: {report['restarts']} worker-group restart(s), {report['preemptions']} preemption(s)"
@@ -107,7 +108,6 @@ def list_line(report: dict) -> str:
 
 
 def storage_of(value: str) -> str:
-
     path = storage.absolute(value, base_dir())
     try:
         fs, base = storage.filesystem(path)

@@ -39,7 +39,6 @@ class Throughput:
     and totals, not rates)."""
 
     def __init__(self):
-
         self._psutil = psutil
         self._last = self._read()
 
@@ -88,7 +87,6 @@ WORKER_MONITOR = "worker"  # the monitor whose values are this worker's own, not
 
 
 def process_monitor(rank: int) -> tuple[str, Callable[[], dict]]:
-
     process = psutil.Process(os.getpid())
     return WORKER_MONITOR, lambda: {f"worker_{rank}_rss_megabytes": round(process.memory_info().rss / 1e6, 1)}
 

@@ -90,8 +90,8 @@ class Notifier:
                 return Delivery(target.field, True, attempt)
             wait_s = self.policy.retry_after_s(attempt, status)
             if wait_s is None:
-                self._warn(topics.line(topics.NOTIFY, f"{target.field} ({target.host}) did not take the {body.get('event')} "
-                           f"notification after {attempt} attempt(s): {problem}; the run goes on"))
+                self._warn(topics.line(topics.NOTIFY, f"{target.field} ({target.host}) did not take the "
+                           f"{body.get('event')} notification after {attempt} attempt(s): {problem}; the run goes on"))
                 return Delivery(target.field, False, attempt, problem)
             self._sleep(wait_s)
 

@@ -39,7 +39,9 @@ exit codes: 0 finished, 1 the run failed, 2 bad input (nothing started)."""
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training", description="Run one distributed training job on Ray.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", help=f"job config YAML (default: {DEFAULT_CONFIG.relative_to(Path.cwd()) if DEFAULT_CONFIG.is_relative_to(Path.cwd()) else DEFAULT_CONFIG})")
+    p.add_argument("config", nargs="?", help=(
+        "job config YAML (default: "
+        f"{DEFAULT_CONFIG.relative_to(Path.cwd()) if DEFAULT_CONFIG.is_relative_to(Path.cwd()) else DEFAULT_CONFIG})"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field by dotted path, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--name", help="run name; a run whose name exists in storage is resumed")
@@ -50,7 +52,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["status"]:  # `python -m training status [RUN]`: how a run in storage is doing
-
         return status_main(argv[1:])
     args = parser().parse_args(argv)
 

@@ -168,7 +168,6 @@ def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, m
     tracker = start_tracking(job, paths, record, name, run_id=mlflow_run_id, extra_tags=mlflow_tags)
     if record is None:
         if job.tracking.enabled:
-
             log_datasets(tracker, manifest, log)
             source_of(job.data.source).track(tracker, manifest, log)
         Record(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
@@ -201,7 +200,8 @@ def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[Record], na
                                       config_lib.flatten(job), artifact_location=artifact_location(paths, job),
                                       run_dir=paths.run_dir)
     except Exception as exc:
-        raise UserError(redact(topics.line(topics.TRACKING, f"cannot reach MLflow at {paths.tracking_uri}: {exc}"))) from None
+        raise UserError(redact(topics.line(topics.TRACKING,
+                                           f"cannot reach MLflow at {paths.tracking_uri}: {exc}"))) from None
     tracker.client.log_text(tracker.run_id, config_lib.to_yaml(job), "config/resolved_config.yaml")
     replay_backlogs(paths.storage_path, tracker)  # what MLflow missed while it was away, this run's included
     return tracker

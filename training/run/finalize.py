@@ -167,8 +167,8 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
                 log(redact(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
-                           f"({type(exc).__name__}: {str(exc)[:300]}); it is in the checkpoint {summary.checkpoint_path}, "
-                           f"the summary in {summary_uri}"))
+                           f"({type(exc).__name__}: {str(exc)[:300]}); it is in the checkpoint "
+                           f"{summary.checkpoint_path}, the summary in {summary_uri}"))
         storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
     for line in summary_lines(summary):
         log(line)
@@ -235,5 +235,6 @@ def summary_lines(summary) -> list[str]:
     if summary.mlflow_run_id:
         lines.append(f"  MLflow run {summary.mlflow_run_id} at {redact(summary.tracking_uri or '')}")
     if summary.registered_model:
-        lines.append(f"  registered model: {summary.registered_model} version {summary.extra.get('registered_version')}")
+        lines.append(f"  registered model: {summary.registered_model} "
+                     f"version {summary.extra.get('registered_version')}")
     return lines

@@ -46,7 +46,8 @@ def resolve_paths(job: JobConfig, name: str) -> RunPaths:
         tracking_uri = job.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
         if tracking_uri.startswith("sqlite:///") and not tracking_uri.startswith("sqlite:////"):
             tracking_uri = "sqlite:///" + os.path.join(base, tracking_uri[len("sqlite:///"):])
-    data_cache = storage.absolute(job.data.cache_dir, base) if job.data.cache_dir else storage.join(storage_path, "datasets")
+    data_cache = (storage.absolute(job.data.cache_dir, base) if job.data.cache_dir
+                  else storage.join(storage_path, "datasets"))
     return RunPaths(base, storage_path, storage.join(storage_path, name), data_cache, tracking_uri)
 
 

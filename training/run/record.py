@@ -60,7 +60,8 @@ class Record:
         changed = [key for key, value in identity.items() if self.identity.get(key) != value]
         if changed:
             raise ConfigError(f"{kind} {self.name!r} already exists with a different {', '.join(changed)}; "
-                              f"resuming it would mix two different {kind}s. Use a new --name, or {remedy} to resume it.")
+                              f"resuming it would mix two different {kind}s. "
+                              f"Use a new --name, or {remedy} to resume it.")
 
     def check_tracking(self, tracking_uri: Optional[str]) -> None:
         """(The record keeps the URI without its password: a changed password is the same store.)"""

@@ -2,7 +2,8 @@
 driver belongs to, or start a local one, and leave it as it was found.
 
 Which cluster: inside a submitted job, or with $RAY_ADDRESS set, Ray's own address; else a cluster
-started on this machine with `ray start`, if its GCS answers and its session is on disk; else a new local cluster for this
+started on this machine with `ray start`, if its GCS answers and its session is on disk; \
+else a new local cluster for this
 process alone, stopped at the end.
 """
 
@@ -99,7 +100,8 @@ def cannot_join_message(address: str, exc: BaseException) -> str:
     if any(isinstance(e, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(e) for e in chain):
         return (f"{where} refused this driver: it needs the cluster's authentication token. On the cluster's "
                 "machine `ray get-auth-token` prints it; put it in ~/.ray/auth_token here (or RAY_AUTH_TOKEN) and "
-                "set RAY_AUTH_MODE=token; or submit the run with `ray job submit --working-dir . -- python -m training CONFIG`")
+                "set RAY_AUTH_MODE=token; or submit the run with "
+                "`ray job submit --working-dir . -- python -m training CONFIG`")
     return f"could not join {where}: {first_line(exc, 1000)}; {UNREACHABLE_HINT}"
 
 

@@ -134,7 +134,8 @@ class Sender:
                 self._failed(exc)
                 return
             log.warning("MLflow at %s refused %s for run %s: %s", redact(self.transport.tracking_uri),
-                        f"{len(metrics)} metrics" if metrics else f"the status {status[0]}", self.run_id, redact(str(exc)))
+                        f"{len(metrics)} metrics" if metrics else f"the status {status[0]}", self.run_id,
+                        redact(str(exc)))
         self._delivered(len(metrics), status is not None)
 
     def _failed(self, exc: Exception) -> None:

@@ -62,7 +62,8 @@ class MlflowTransport:
         if self._creds() is None:
             self.client.set_terminated(run_id, status=status, end_time=end_time_ms)
             return
-        self._rest("POST", "/api/2.0/mlflow/runs/update", mlflow_private.update_run_message(run_id, status, end_time_ms))
+        self._rest("POST", "/api/2.0/mlflow/runs/update",
+                   mlflow_private.update_run_message(run_id, status, end_time_ms))
 
     def _creds(self):
         """The REST store's credentials, or None for a local store."""

@@ -59,8 +59,8 @@ def update_early_stopping(rule, state: LoopState, val_metrics: dict) -> None:
         raise ValueError(f"train.early_stopping.metric {rule.metric!r} is not a validation metric; "
                          f"have {sorted(val_metrics)}")
     value = val_metrics[rule.metric]
-    better = state.best_metric is None or (
-        value < state.best_metric - rule.min_delta if rule.mode == "min" else value > state.best_metric + rule.min_delta)
+    best = state.best_metric
+    better = best is None or (value < best - rule.min_delta if rule.mode == "min" else value > best + rule.min_delta)
     if better:
         state.best_metric, state.evals_without_improvement = value, 0
     else:

@@ -3,7 +3,8 @@
 build and restore (training/worker/setup.py) -> for each step: this worker's part of the global
 batch, forward, backward, the optimizer step as the failure mode commits it (training/failure/),
 then the step policy says whether to report, evaluate or checkpoint (training/worker/policy.py),
-and the loop does it (`state`: the loop's state, what a checkpoint restores). Resume is the normal path: a fresh run is a resume from step 0.
+and the loop does it (`state`: the loop's state, what a checkpoint restores). Resume is the normal
+path: a fresh run is a resume from step 0.
 """
 
 from __future__ import annotations

@@ -74,8 +74,9 @@ def wrap(model: nn.Module, config: ParallelConfig, device: torch.device, blocks:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtype = param_dtype(config, device)
+    offload = CPUOffloadPolicy() if config.cpu_offload and device.type == "cuda" else OffloadPolicy()
     options = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
-               "offload_policy": CPUOffloadPolicy() if config.cpu_offload and device.type == "cuda" else OffloadPolicy()}
+               "offload_policy": offload}
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
