@@ -64,7 +64,7 @@ def overhead(quick: bool) -> dict:
     than the loop (digits, 2 workers: 0.45 then, about 0.85 with the longer warm-up)."""
     from bench import baseline_raytrain  # (lazy: torch)
 
-    steps = {"digits": 40 if quick else 2400, "tinylm": 12 if quick else 150}
+    steps = {"digits": 40 if quick else 9000, "tinylm": 12 if quick else 150}
     rounds = 1 if quick else 3
     row = {}
     # Quick mode checks the harness: one case, against both baselines (every case runs the same code).

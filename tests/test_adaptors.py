@@ -111,16 +111,6 @@ def test_mlflow_rest_store_host_creds_and_one_shot_request():
         mlflow_private.rest_once(creds, "GET", "/api/2.0/mlflow/experiments/search", 1.0, params={"max_results": 1})
 
 
-def test_mlflow_system_monitors_collect_and_aggregate_under_their_ui_names():
-    for name, cls in mlflow_private.node_monitor_classes():
-        monitor = cls()
-        monitor.collect_metrics()
-        values = monitor.aggregate_metrics()
-        monitor.clear_metrics()
-        assert values and all(isinstance(v, (int, float)) for v in values.values()), name
-    assert hasattr(mlflow_private.gpu_monitor_class(), "collect_metrics")
-
-
 def test_mlflow_messages_carry_run_metrics_and_status():
     from mlflow.entities import Metric
 

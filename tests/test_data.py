@@ -132,7 +132,7 @@ def test_a_split_read_into_memory_gives_the_rows_read_from_parquet(tmp_path, sou
     options = {"seq_len": 32, "max_bytes": 50_000} if source == "tinylm" else {}
     manifest = prepare(data_section(dict(source=source, options=options)), str(tmp_path), log=quiet)
     in_memory, from_files = SplitReader(manifest, "train"), SplitReader(manifest, "train", in_memory_limit_bytes=0)
-    assert in_memory._table is not None and from_files._table is None
+    assert in_memory.in_memory and not from_files.in_memory
     plan = BatchPlan(16, 2, 1)
     a, b = TrainShard(in_memory, plan, seed=4), TrainShard(from_files, plan, seed=4)
     for step in (0, 3, a.steps_per_epoch + 1):

@@ -17,7 +17,9 @@ PACKAGES = ("training", "tuning", "cluster", "bench")
 HEAVY = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ray", "ray.train", "ray.tune", "ray.data",
          "mlflow", "mlflow.pytorch", "sklearn", "matplotlib", "pyspark", "onnx", "onnxruntime", "torchft",
          "transformers", "peft", "safetensors", "boto3", "botocore", "optuna", "pandas", "pyarrow.dataset",
-         "cloudsplaining", "parliament", "grpc")
+         "cloudsplaining", "parliament", "grpc",
+         # optional dependencies, installed where they serve (the `gpu` extra)
+         "pynvml")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,22 @@
-"""System metrics, the worker's side: real samples of this machine through MLflow's monitors, a
-monitor that fails, and the rows the controller logs. (The run on two nodes, with the samples in
+"""System metrics, the worker's side: real samples of this machine under the names of MLflow's
+monitors, a monitor that fails, and the rows the controller logs. (The run on two nodes, with the samples in
 MLflow from both: tests/test_fault_nodes.py.)"""
 
+import inspect
+import re
 import time
 
 import pytest
 
-from training.observe.system import SYSTEM_KEY, SystemSampler, mlflow_rows, node_label, node_monitors, process_monitor
+from training.observe.system import (
+    SYSTEM_KEY,
+    SystemSampler,
+    gpu_monitor,
+    mlflow_rows,
+    node_label,
+    node_monitors,
+    process_monitor,
+)
 
 
 def test_a_node_sample_has_mlflows_series_the_throughput_and_the_workers_memory():
@@ -25,8 +35,32 @@ def test_a_node_sample_has_mlflows_series_the_throughput_and_the_workers_memory(
                  "network_receive_megabytes_per_s", "network_transmit_megabytes_per_s"):
         assert isinstance(values[name], float) and values[name] >= 0, name
     assert 0 < values["system_memory_usage_percentage"] <= 100
-    assert second["worker_values"]["worker_0_rss_megabytes"] > 50  # this process has imported MLflow
+    # (megabytes, not bytes: this process holds numpy and pyarrow; sampling imports no MLflow)
+    assert second["worker_values"]["worker_0_rss_megabytes"] > 20
     assert not any(name.startswith("gpu_") for name in values)  # no GPU here: those series are missing
+
+
+def test_the_node_series_are_named_as_mlflows_own_monitors_name_theirs():
+    """The series are sampled with psutil as MLflow's monitors sample them (importing those imports
+    MLflow, which a training worker does without), under their names: MLflow's System metrics tab
+    shows them as its own."""
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    ours = dict(node_monitors())
+    for name, cls in (("cpu", CPUMonitor), ("disk", DiskMonitor), ("network", NetworkMonitor)):
+        monitor = cls()
+        monitor.collect_metrics()
+        values = monitor.aggregate_metrics()
+        monitor.clear_metrics()
+        assert values and all(isinstance(v, (int, float)) for v in values.values()), name
+        assert set(ours[name]()) == set(values), name
+    # (no GPU here: the GPU's names are compared in the two monitors' source)
+    pattern = re.compile(r'f"(gpu_\{i\}_\w+)"')
+    theirs = set(pattern.findall(inspect.getsource(GPUMonitor)))
+    assert len(theirs) == 5 and set(pattern.findall(inspect.getsource(gpu_monitor))) == theirs
 
 
 def test_a_failing_monitor_is_dropped_with_one_warning_and_the_others_go_on():

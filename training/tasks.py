@@ -65,7 +65,8 @@ class Task:
 
         inputs, targets = self.inputs_and_targets(batch)
         logits = logits_of(model(inputs))
-        logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        if logits.dim() > 2:  # (a prediction per token: one row each)
+            logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
         correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else None
         return loss_sum, targets.numel(), correct

@@ -39,21 +39,3 @@ def update_run_message(run_id: str, status: str, end_time_ms: int):
     from mlflow.protos.service_pb2 import UpdateRun  # (lazy: mlflow)
 
     return UpdateRun(run_id=run_id, run_uuid=run_id, status=RunStatus.from_string(status), end_time=end_time_ms)
-
-
-def node_monitor_classes() -> list[tuple[str, type]]:
-    """MLflow's system-metric monitors for a node (CPU and memory, disk, network): each has
-    `collect_metrics`, `aggregate_metrics` and `clear_metrics`, and names its metrics as MLflow's
-    System metrics tab shows them (training/observe/system.py samples with them on workers)."""
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor  # (lazy: mlflow)
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor  # (lazy: mlflow)
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor  # (lazy: mlflow)
-
-    return [("cpu", CPUMonitor), ("disk", DiskMonitor), ("network", NetworkMonitor)]
-
-
-def gpu_monitor_class() -> type:
-    """MLflow's GPU monitor (NVML through nvidia-ml-py); constructing it fails without a GPU."""
-    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor  # (lazy: mlflow)
-
-    return GPUMonitor

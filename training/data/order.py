@@ -40,12 +40,19 @@ DIGEST_MODULUS = 1 << 40
 
 def batch_digest(step: int, sample_ids: np.ndarray) -> int:
     """This part of global batch `step`'s contribution to the data digest (splitmix64 of each id)."""
+    return int(batch_digests(np.array([step]), np.asarray(sample_ids).reshape(1, -1))[0])
+
+
+def batch_digests(steps: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+    """`batch_digest` of many steps at once: row i of `sample_ids` is this part of global batch
+    `steps[i]` (a loader computes a chunk's or an epoch's in one pass, not a step's at a time)."""
     with np.errstate(over="ignore"):
-        z = (np.asarray(sample_ids, dtype=np.uint64) + np.uint64(step) * np.uint64(0x9E3779B97F4A7C15))
+        z = (np.asarray(sample_ids, dtype=np.uint64)
+             + np.asarray(steps, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15))
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return int(np.sum(z >> np.uint64(24), dtype=np.uint64)) % DIGEST_MODULUS
+    return np.sum(z >> np.uint64(24), axis=1, dtype=np.uint64) % np.uint64(DIGEST_MODULUS)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from training import storage
 from training.data.manifest import SPLITS, Manifest
-from training.data.order import BatchPlan, epoch_order
+from training.data.order import BatchPlan, batch_digests, epoch_order
 from training.errors import first_line
 from training.tasks import TASKS
 
@@ -98,12 +98,18 @@ class SplitReader:
         self.num_rows = manifest.rows(split)
         width = row_bytes(self.dataset.schema)
         small = width is not None and width * self.num_rows <= in_memory_limit_bytes
-        self._table = self.dataset.to_table() if small else None
+        # (decoded once: an epoch of a small split is then a numpy gather, not a read and a decode)
+        self._columns = table_columns(self.dataset.to_table(), self.columns) if small else None
+
+    @property
+    def in_memory(self) -> bool:
+        return self._columns is not None
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
-        table = self._table.take(indices) if self._table is not None else self.dataset.take(indices)
-        return table_columns(table, self.columns)
+        if self._columns is not None:
+            return {name: column[indices] for name, column in self._columns.items()}
+        return table_columns(self.dataset.take(indices), self.columns)
 
 
 class TrainShard:
@@ -121,6 +127,8 @@ class TrainShard:
         self._offsets = np.cumsum([0] + [len(p) for p in parts])
         self._rows = self.reader.take(np.concatenate(parts))
         self._parts = parts
+        self._digests = batch_digests(epoch * self.steps_per_epoch + np.arange(first_position, self.steps_per_epoch),
+                                      np.stack(parts))  # (a rank's part is the same length at every step)
         self._epoch, self._first = epoch, first_position
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -135,6 +143,9 @@ class TrainShard:
     def sample_ids(self, step: int) -> np.ndarray:
         """The split's row numbers in this worker's part of global batch `step` (after `batch(step)`)."""
         return self._parts[step % self.steps_per_epoch - self._first]
+
+    def digest(self, step: int) -> int:
+        return int(self._digests[step % self.steps_per_epoch - self._first])
 
     def close(self) -> None:
         """(Nothing is read ahead.)"""

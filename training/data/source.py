@@ -63,6 +63,10 @@ class TrainData(Protocol):
     def sample_ids(self, step: int) -> np.ndarray:
         """The split's row numbers in this worker's part of global batch `step` (after `batch(step)`)."""
 
+    def digest(self, step: int) -> int:
+        """This worker's part of global batch `step`'s data digest (training.data.order.batch_digest of
+        its sample ids; after `batch(step)`)."""
+
     def close(self) -> None:
         """Stop reading ahead (threads, open files)."""
 

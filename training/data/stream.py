@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from training.data.order import part_bounds
+from training.data.order import batch_digests, part_bounds
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,7 @@ class StreamingShard:
             columns = gather(self.cache, groups.ravel(), rows.ravel())
             self._chunk = (first, count, {k: v.reshape((count, -1) + v.shape[1:]) for k, v in columns.items()})
             self._chunk_ids = self._group_start[groups] + rows
+            self._chunk_digests = batch_digests(np.arange(first, first + count), self._chunk_ids)
             if self.read_ahead:
                 self._next = self._locate_chunk(first + count)
                 epoch, position = divmod(first + count - 1, self.steps_per_epoch)
@@ -308,6 +309,10 @@ class StreamingShard:
         """The split's row numbers (in index order) in this worker's part of global batch `step`
         (after `batch(step)`)."""
         return self._chunk_ids[step - self._chunk[0]]
+
+    def digest(self, step: int) -> int:
+        """This worker's part of global batch `step`'s data digest (after `batch(step)`)."""
+        return int(self._chunk_digests[step - self._chunk[0]])
 
     def close(self) -> None:
         if self._on_close is not None:

@@ -31,6 +31,8 @@ class RestartWorker:
         self.preemption: Optional[Preemption] = None
         self.fresh: Optional[Preemption] = None  # the notice first seen at the last report
         self.progress = None  # (given when the run starts)
+        # Log-only steps before this one do not ask whether a report is due (StepPolicy.quiet_steps).
+        self.quiet_until = 0
 
     def wrap(self, model):
         return self.context.wrap(model)
@@ -53,6 +55,8 @@ class RestartWorker:
     def plan_report(self, due, state, have_val_metrics: bool) -> Optional[Report]:
         if not due.any:
             return None  # no report at this step, and so no collective
+        if not due.evaluate and state.step < self.quiet_until:
+            return None  # a log-only step in a window too young to report (a final save is asked after it)
         context = self.context
         # Rank 0's clock decides for all (Progress.reduce), so every rank makes the same choice.
         final_save_wanted = (context.rank == 0 and self.preemption is not None
@@ -60,6 +64,7 @@ class RestartWorker:
         totals = self.progress.reduce(final_save_wanted)
         state.data_digest = (state.data_digest + totals.data_digest) % DIGEST_MODULUS
         if not context.policy.reports(due, totals.elapsed_s, totals.final_save):
+            self.quiet_until = state.step + context.policy.quiet_steps(totals.elapsed_s, self.progress.steps)
             return None  # too soon after the last report: the window goes on
         # A node holding a worker is being drained for preemption: checkpoint now rather than at the
         # next interval, and once more just before the deadline. Every worker asks at every report:

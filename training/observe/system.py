@@ -1,9 +1,13 @@
 """System metrics per node, for the run's MLflow "System metrics" tab.
 
-Workers sample; only the controller writes to MLflow. Every worker samples its node with MLflow's
-own monitors (CPU and memory, disk use, network since the start, and with `nvidia-ml-py` and a GPU
-its utilisation, memory and power), plus the disk and network throughput since the last sample,
-and its own process's RSS. The samples travel with the worker's next report (`SYSTEM_KEY`), and
+Workers sample; only the controller writes to MLflow. Every worker samples its node (CPU and memory,
+disk use, network since the start, and with `nvidia-ml-py` and a GPU its utilisation, memory and
+power) under the names MLflow's own monitors give them, plus the disk and network throughput since
+the last sample, and its own process's RSS. The samples are psutil's (and NVML's), read here as
+MLflow's monitors read them, not through those monitors: importing them imports MLflow, ~1.6 s of
+CPU that held a training worker's GIL one interval into the run (digits on 1 worker: 10% of its
+steady throughput in the benchmark's overhead row); tests/test_system_metrics.py checks the names
+against MLflow's monitors. The samples travel with the worker's next report (`SYSTEM_KEY`), and
 the controller logs them as `system/<node>/<name>`, at the time they were taken: MLflow's names and
 node prefixes, so its UI groups them per node. Of the workers on one node, the controller logs the
 node's series from the first (in rank order) that has samples: a worker cannot tell which Ray node
@@ -22,8 +26,6 @@ import warnings
 from typing import Callable, Optional
 
 import psutil
-
-from training.adaptors import mlflow_private
 
 SYSTEM_KEY = "system"  # the reported metrics' key for the samples since the last report
 MAX_HELD = 360  # samples a worker holds for its next report (an hour at 10 s); the oldest go first
@@ -57,27 +59,60 @@ class Throughput:
                         (round(r, 3) for r in rates)))
 
 
-def _mlflow_monitor(cls) -> Callable[[], dict]:
-    monitor = cls()
+def cpu_sample() -> dict:
+    memory = psutil.virtual_memory()
+    return {"cpu_utilization_percentage": round(psutil.cpu_percent(), 1),
+            "system_memory_usage_megabytes": round(memory.used / 1e6, 1),
+            "system_memory_usage_percentage": round(memory.used / memory.total * 100, 1)}
+
+
+def disk_sample() -> dict:
+    usage = psutil.disk_usage(os.sep)
+    return {"disk_usage_percentage": round(float(usage.percent), 1), "disk_usage_megabytes": round(usage.used / 1e6, 1),
+            "disk_available_megabytes": round(usage.free / 1e6, 1)}
+
+
+def network_monitor() -> Callable[[], dict]:
+    """Megabytes received and sent since the monitor was made (the counters count since boot)."""
+    start = psutil.net_io_counters()
 
     def sample() -> dict:
-        monitor.collect_metrics()
-        values = monitor.aggregate_metrics()
-        monitor.clear_metrics()
+        now = psutil.net_io_counters()
+        return {"network_receive_megabytes": (now.bytes_recv - start.bytes_recv) / 1e6,
+                "network_transmit_megabytes": (now.bytes_sent - start.bytes_sent) / 1e6}
+    return sample
+
+
+def gpu_monitor() -> Callable[[], dict]:
+    """Each GPU's memory, utilisation and power through NVML (`nvidia-ml-py`); ImportError or an
+    NVML error where there is none."""
+    import pynvml  # (an optional dependency: the `gpu` extra, on GPU nodes)
+
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def sample() -> dict:
+        values = {}
+        for i, handle in enumerate(handles):
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            power_mw, limit_mw = pynvml.nvmlDeviceGetPowerUsage(handle), pynvml.nvmlDeviceGetEnforcedPowerLimit(handle)
+            values.update({f"gpu_{i}_memory_usage_percentage": round(memory.used / memory.total * 100, 1),
+                           f"gpu_{i}_memory_usage_megabytes": round(memory.used / 1e6, 1),
+                           f"gpu_{i}_utilization_percentage": float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                           f"gpu_{i}_power_usage_watts": round(power_mw / 1000, 1),
+                           f"gpu_{i}_power_usage_percentage": round(power_mw / limit_mw * 100, 1)})
         return values
     return sample
 
 
 def node_monitors() -> list[tuple[str, Callable[[], dict]]]:
-    """MLflow's monitors for a node (the GPU's only where NVML is installed and finds a GPU), and
-    the throughput one."""
-
-
-    psutil.cpu_percent()  # the first call starts the count that the CPU monitor's first sample reads
-    monitors = [(name, _mlflow_monitor(cls)) for name, cls in mlflow_private.node_monitor_classes()]
-    monitors.append(("throughput", Throughput().sample))
+    """A node's monitors (the GPU's only where NVML is installed and finds a GPU), and the
+    throughput one."""
+    psutil.cpu_percent()  # the first call starts the count that the CPU sample reads
+    monitors = [("cpu", cpu_sample), ("disk", disk_sample), ("network", network_monitor()),
+                ("throughput", Throughput().sample)]
     try:
-        monitors.append(("gpu", _mlflow_monitor(mlflow_private.gpu_monitor_class())))
+        monitors.append(("gpu", gpu_monitor()))
     except Exception:  # no nvidia-ml-py, or no GPU: those series are simply missing
         pass
     return monitors
@@ -100,8 +135,8 @@ class SystemSampler:
                  monitors: list[tuple[str, Callable[[], dict]]] | Callable[[], list[tuple[str, Callable[[], dict]]]],
                  warn: Callable[[str], None] = lambda line: warnings.warn(line, stacklevel=2)):
         """`monitors`, or a function that builds them: then the sampling thread calls it one
-        interval in and samples from the next interval on, so that building them (importing
-        MLflow: ~1.6 s of CPU) is not between a worker's start and its first step."""
+        interval in and samples from the next interval on, so that building them (NVML's start on
+        a GPU node) is not between a worker's start and its first step."""
         self.interval_s, self.node, self.warn = interval_s, node, warn
         self._build = monitors if callable(monitors) else None
         self._monitors = [] if callable(monitors) else list(monitors)

@@ -16,12 +16,15 @@ from training.worker.config import WorkerConfig
 from training.worker.evaluate import update_early_stopping
 from training.worker.policy import NOTHING_DUE
 from training.worker.seeding import seed_all, step_seed
-from training.worker.setup import start_worker
+from training.worker.setup import Worker, start_worker
 
 
 def train_loop_per_worker(config: WorkerConfig) -> None:
     quiet_report_logs()
-    w = start_worker(config)
+    run(start_worker(config))
+
+
+def run(w: Worker) -> None:
     state, mode, progress = w.state, w.mode, w.progress
     val_metrics: dict = {}
     while mode.more_steps(state, w.total_steps):
@@ -29,11 +32,11 @@ def train_loop_per_worker(config: WorkerConfig) -> None:
         mode.begin_step(state.step)
         batch = w.batch(state.step)
         compute = progress.mark()
-        seed_all(step_seed(config.seed, state.step, w.rank), w.device)  # dropout: a function of the step
+        seed_all(step_seed(w.config.seed, state.step, w.rank), w.device)  # dropout: a function of the step
         for part, sync in w.micro_batches(batch):
             with parallel.gradient_sync(w.train_model, sync), w.autocast:
                 loss_sum, units, _ = w.task.forward_loss(w.train_model, part)
-            (loss_sum * w.loss_scale).backward()
+            loss_sum.backward(w.loss_scale)
             progress.add(loss_sum, units)
         optimize = progress.phase_done("forward_backward", compute)
         outcome = mode.commit_step(state, batch, w.optimizer_step)
@@ -54,7 +57,7 @@ def train_loop_per_worker(config: WorkerConfig) -> None:
                    **mode.report_metrics(state)}
         if decision.evaluate:
             val_metrics = w.evaluate()
-            update_early_stopping(config.train.early_stopping, state, val_metrics)
+            update_early_stopping(w.config.train.early_stopping, state, val_metrics)
             decision = decision.after_evaluation(state.stopped_early)
         if decision.reports_val_metrics:
             metrics.update(val_metrics)

@@ -95,12 +95,17 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if wants_bf16 else nullcontext()
 
 
+def gradient_sync(train_model: nn.Module, enabled: bool):
+    """Skip the gradient reduction on all but the last micro-batch of a step (a context)."""
+    return _SYNCED if enabled else _without_sync(train_model)
+
+
+_SYNCED = nullcontext()  # (the last micro-batch: every step has one, so nothing is made for it)
+
+
 @contextmanager
-def gradient_sync(train_model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient reduction on all but the last micro-batch of a step."""
-    if enabled:
-        yield
-    elif hasattr(train_model, "no_sync"):  # DDP
+def _without_sync(train_model: nn.Module) -> Iterator[None]:
+    if hasattr(train_model, "no_sync"):  # DDP
         with train_model.no_sync():
             yield
     elif hasattr(train_model, "set_requires_gradient_sync"):  # FSDP2

@@ -80,6 +80,16 @@ class StepPolicy:
         until then its losses stay in the window."""
         return due.evaluate or final_save or elapsed_s >= self.min_report_interval_s
 
+    def quiet_steps(self, elapsed_s: float, window_steps: float) -> int:
+        """After a log-only step found the window too young to report: how many steps may pass before
+        the next one asks again. Those that, at the window's pace so far, end well before
+        `min_report_interval_s`: they skip the collective that asking takes, and every rank skips the
+        same ones (`elapsed_s`, rank 0's clock, and the window's steps are the same on every rank)."""
+        remaining_s = self.min_report_interval_s - elapsed_s
+        if elapsed_s <= 0 or window_steps <= 0 or remaining_s <= 0:
+            return 0
+        return int(0.8 * remaining_s * window_steps / elapsed_s)
+
     def decide(self, due: StepDue, *, final_save: bool, notice_fresh: bool, have_val_metrics: bool) -> StepDecision:
         """A fresh preemption notice checkpoints at once (the node may go before its deadline), and
         the final save just before the deadline checkpoints again; neither waits for the interval."""

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from training.data.order import DIGEST_MODULUS, batch_digest
+from training.data.order import DIGEST_MODULUS
 from training.worker.evaluate import sum_across_workers
 
 # Where a step's time goes, each summed over a window's steps: the data wait on the host clock (a
@@ -51,11 +51,13 @@ class Progress:
 
     def __init__(self, facts: RunFacts, rank: int, device: torch.device):
         self.facts, self.rank, self.device = facts, rank, device
+        self.cuda = device.type == "cuda"
         self.first_step_s: Optional[float] = None
         self.next_window()
 
     def next_window(self) -> None:
-        self.loss_sum = self.units = self.steps = 0.0
+        self.losses: list = []  # each micro-batch's summed loss, a tensor: no device sync per step
+        self.units = self.steps = 0.0
         self.digest = 0
         self.start_s = time.perf_counter()
         self.phase_s = dict.fromkeys(PHASES, 0.0)
@@ -66,7 +68,7 @@ class Progress:
 
     def mark(self):
         """A point in the step, for `phase_done`: a CUDA event on a GPU, the host clock otherwise."""
-        if self.device.type == "cuda":
+        if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
@@ -75,28 +77,28 @@ class Progress:
     def phase_done(self, phase: str, started):
         """The phase that began at `started` (a mark) ends now; returns the mark of its end."""
         ended = self.mark()
-        if self.device.type == "cuda":
+        if self.cuda:
             self._device_phases.append((phase, started, ended))
         else:
             self.phase_s[phase] += ended - started
         return ended
 
-    def add_samples(self, step: int, sample_ids) -> None:
-        """This worker's part of global batch `step`, by sample id: into the window's data digest."""
-        self.digest = (self.digest + batch_digest(step, sample_ids)) % DIGEST_MODULUS
+    def add_digest(self, digest: int) -> None:
+        """This worker's part of a global batch's data digest (training.data.order.batch_digest)."""
+        self.digest = (self.digest + digest) % DIGEST_MODULUS
 
     def add(self, loss_sum: torch.Tensor, units: float) -> None:
-        self.loss_sum += loss_sum.detach()  # a tensor: no device sync per step
+        self.losses.append(loss_sum.detach())  # (summed when the window is reduced: one op, not one a step)
         self.units += units
 
     def snapshot(self) -> tuple:
         """The window's sums now, to `rewind` to if the step that follows is not taken after all
         (failure.mode continue: a step that did not commit, a sync round)."""
-        loss_sum = self.loss_sum.clone() if isinstance(self.loss_sum, torch.Tensor) else self.loss_sum
-        return loss_sum, self.units  # (a copy: `add` sums into the tensor in place)
+        return len(self.losses), self.units
 
     def rewind(self, snapshot: tuple) -> None:
-        self.loss_sum, self.units = snapshot
+        count, self.units = snapshot
+        del self.losses[count:]
 
     def step_done(self) -> None:
         self.steps += 1
@@ -113,8 +115,9 @@ class Progress:
             for phase, started, ended in self._device_phases:
                 self.phase_s[phase] += started.elapsed_time(ended) / 1000.0
             self._device_phases = []
+        loss_sum = float(torch.stack(self.losses).sum()) if self.losses else 0.0
         loss_sum, units, elapsed_s, final_save, digest, *phase_s = sum_across_workers(
-            [float(self.loss_sum), self.units, elapsed_s, float(final_save_wanted), float(self.digest),
+            [loss_sum, self.units, elapsed_s, float(final_save_wanted), float(self.digest),
              *(self.phase_s[p] for p in PHASES)], self.device)
         self.digest = 0  # taken into the run's digest now, even when the window goes on unreported
         return WindowTotals(loss_sum, units, elapsed_s, final_save > 0, int(digest) % DIGEST_MODULUS, tuple(phase_s))

@@ -55,7 +55,10 @@ class Worker:
     data: TrainData
     val_rows: dict[str, torch.Tensor]
     total_steps: int
-    loss_scale: float
+    # Each worker's summed loss is scaled so that DDP's average over workers is the exact mean over
+    # the global batch, however unevenly it is divided: the same gradient at any world size. (The
+    # gradient the backward starts from: a tensor on the device, made once.)
+    loss_scale: torch.Tensor
     autocast: Any
     model: torch.nn.Module  # unwrapped: its own parameter names
     train_model: torch.nn.Module  # what the forward runs (DDP, FSDP, a replica group's DDP)
@@ -78,15 +81,20 @@ class Worker:
         (Past the last step, a replica group's sync round reads the last batch again.)"""
         fetch_s = time.perf_counter()
         data_step = min(step, self.total_steps - 1)
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in tensors(self.data.batch(data_step)).items()}
+        batch = tensors(self.data.batch(data_step))
+        if self.device.type != "cpu":
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if self.keeps_digest:
-            self.progress.add_samples(step, self.data.sample_ids(data_step))
+            self.progress.add_digest(self.data.digest(data_step))
         self.progress.waited_for_data(time.perf_counter() - fetch_s)
         return batch
 
     def micro_batches(self, batch: dict[str, torch.Tensor]):
         """(micro-batch, whether the gradients are reduced after it): the last one reduces."""
         parts = self.plan.micro_batches(next(iter(batch.values())).shape[0])
+        if len(parts) == 1:
+            yield batch, True
+            return
         for index, part in enumerate(parts):
             yield {k: v[part] for k, v in batch.items()}, index == len(parts) - 1
 
@@ -134,9 +142,8 @@ def start_worker(config: WorkerConfig) -> Worker:
     parts, part = (world_size, rank) if failure.lockstep else (1, 0)
     val_rows = tensors(validation_part(source.rows(manifest, "validation"), parts, part))
     total_steps = config.train.total_steps(data.steps_per_epoch)
-    # Each worker's loss is scaled so that DDP's average over workers is the exact mean over the
-    # global batch, however unevenly it is divided: the same gradient at any world size.
-    loss_scale = world_size / (config.train.global_batch_size * task.units_per_sample(manifest.spec))
+    loss_scale = torch.tensor(world_size / (config.train.global_batch_size * task.units_per_sample(manifest.spec)),
+                              dtype=torch.float32, device=device)
     policy = StepPolicy.of(config.train, config.checkpoint, total_steps)
 
     family = family_of(config.model.name)
