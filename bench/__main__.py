@@ -96,8 +96,10 @@ def main(argv=None) -> int:
                 wide = dict(seeds=[0, 1, 2], samples=8, steps=240) if args.wide_sweep and not args.quick else {}
                 timed("sweep", lambda: rows.sweep(args.quick, **wide))
     results["elapsed_s"] = round(time.monotonic() - started, 1)
-    results["ratios"] = ratios(results["rows"])
     out = Path(args.out)
+    if not args.quick and (out / "results.json").is_file():  # a subset: the other rows stay as measured
+        results = merged(json.loads((out / "results.json").read_text()), results)
+    results["ratios"] = ratios(results["rows"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
     table = markdown(results)
@@ -106,6 +108,18 @@ def main(argv=None) -> int:
     if not args.quick and out.resolve() == (REPO / "bench").resolve():
         update_readme(REPO / "README.md", table)
     return 0
+
+
+def merged(before: dict, now: dict) -> dict:
+    """The rows measured now over those of earlier runs (each row with the date and machine of the
+    run that measured it, in `row_runs`): the file holds every row the README quotes."""
+    if now["quick"] or before.get("quick"):
+        return now
+    runs = {row: {"date": before["date"], "machine": before["machine"]} for row in before["rows"]}
+    runs.update(before.get("row_runs") or {})
+    runs.update({row: {"date": now["date"], "machine": now["machine"]} for row in now["rows"]})
+    return {**now, "rows": {**before["rows"], **now["rows"]},
+            "row_seconds": {**before.get("row_seconds", {}), **now["row_seconds"]}, "row_runs": runs}
 
 
 def ratios(rows_: dict) -> dict:

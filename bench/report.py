@@ -20,6 +20,15 @@ def _took(results: dict) -> str:
     return f" The run took {results['elapsed_s'] / 60:.0f} min{f' ({rows} min)' if rows else ''}."
 
 
+def _later(results: dict) -> str:
+    """Rows measured by other runs than this one (a file that merges runs: bench/__main__.py)."""
+    others: dict = {}
+    for row, run in (results.get("row_runs") or {}).items():
+        if run["date"] != results["date"] or run["machine"] != results["machine"]:
+            others.setdefault(f"{run['date']} on {run['machine'].get('cpu') or 'unknown CPU'}", []).append(row)
+    return "".join(f" Rows {', '.join(sorted(rows))}: the run of {when}." for when, rows in sorted(others.items()))
+
+
 def spread(pairs: dict) -> str:
     """The per-pair min and max of a ratio, and what they allow: pairs on both sides of 1 measured
     no difference; pairs on one side whose spread is wider than the median's gap from 1 measured
@@ -63,7 +72,7 @@ def markdown(results: dict) -> str:
     lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
              f"{m['cpu'] or 'unknown CPU'}, {m['cores']} cores, torch {m['torch']}, Ray {m['ray']}, "
              f"Python {m['python']}"
-             f"{', ' + m['cuda'] if m.get('cuda') else ''}.{_took(results)}", "",
+             f"{', ' + m['cuda'] if m.get('cuda') else ''}.{_took(results)}{_later(results)}", "",
              "| row | measured | ratio (same run) | how |", "|---|---|---|---|"]
     for key, v in r.get("overhead", {}).items():
         lines.append(_overhead_line(key, v))

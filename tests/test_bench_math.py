@@ -163,3 +163,21 @@ def test_continuous_row_reads_kill_to_the_survivors_next_step():
 
     assert abs(kill_to_next_step_s(100.0, [99_000, 100_600, 101_000]) - 0.6) < 1e-9
     assert kill_to_next_step_s(100.0, [99_000]) is None
+
+
+def test_a_subset_run_keeps_the_other_rows_with_the_run_that_measured_them():
+    from bench.__main__ import merged
+    from bench.report import markdown
+
+    cpu = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0", "ray": "2.60.0", "python": "3.11.7"}
+    memory = {"model": "gpt preset small", "workers": 2, "ddp_bytes_per_worker": 2e8, "fsdp_bytes_per_worker": 1e8,
+              "fsdp_vs_ddp_ratio": 0.5}
+    before = {"machine": cpu, "date": "2026-12-01", "quick": False, "rows": {"memory": memory, "gpu": {"skipped": "x"}},
+              "row_seconds": {"memory": 5.0}}
+    now = {"machine": cpu, "date": "2026-12-04", "quick": False, "rows": {"gpu": {"skipped": "y"}}, "row_seconds": {}}
+    result = merged(before, now)
+    assert result["rows"]["memory"] == memory and result["rows"]["gpu"] == {"skipped": "y"}
+    assert result["row_runs"] == {"memory": {"date": "2026-12-01", "machine": cpu},
+                                  "gpu": {"date": "2026-12-04", "machine": cpu}}
+    assert "Rows memory: the run of 2026-12-01 on AMD EPYC." in markdown(result).splitlines()[0]
+    assert merged(before, {**now, "quick": True}) == {**now, "quick": True}  # a harness check replaces nothing

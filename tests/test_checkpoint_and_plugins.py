@@ -212,14 +212,14 @@ def test_a_models_shapes_are_checked_by_one_forward_pass_on_the_meta_device():
     blobs = {"input_dim": 6, "num_classes": 3}
     for name in ["plugins.examples:linear", "plugins.examples:explodes", "plugins.examples:itemizing"]:
         # fits; fails only in training mode (the first step's to find); cannot run on meta (not checked)
-        check_model_builds(JobConfig(model={"name": name}), "classification", blobs)
-    check_model_builds(JobConfig(model={"name": "gpt"}), "language_model", TINYLM)
+        check_model_builds(JobConfig(model={"name": name}).model, "classification", blobs)
+    check_model_builds(JobConfig(model={"name": "gpt"}).model, "language_model", TINYLM)
     with pytest.raises(UserError, match=r"returns logits of shape \[2, 4\]; the data needs \[2, 3\]"):
-        check_model_builds(JobConfig(model={"name": "plugins.examples:wide_output"}), "classification", blobs)
+        check_model_builds(JobConfig(model={"name": "plugins.examples:wide_output"}).model, "classification", blobs)
     with pytest.raises(UserError, match="does the model take the data's input_dim 6"):
-        check_model_builds(JobConfig(model={"name": "plugins.examples:fixed_input"}), "classification", blobs)
+        check_model_builds(JobConfig(model={"name": "plugins.examples:fixed_input"}).model, "classification", blobs)
     with pytest.raises(UserError, match="model.name digits_cnn: digits_cnn needs square images"):
-        check_model_builds(JobConfig(model={"name": "digits_cnn"}), "classification", blobs)
+        check_model_builds(JobConfig(model={"name": "digits_cnn"}).model, "classification", blobs)
 
 
 def test_a_plugin_that_fails_is_a_user_error_naming_its_field():

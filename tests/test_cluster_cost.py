@@ -160,7 +160,7 @@ def test_a_finished_run_is_priced_for_the_nodes_its_workers_held(tmp_path, use_g
                           scaling=SimpleNamespace(max_workers=2))
     summary = RunSummary(name="r", run_dir=str(tmp_path), steps=10, metrics={"world_size": 2}, wall_s=2 * 3600,
                          resumed=False, use_gpu=use_gpu)
-    finalize(job, None, SimpleNamespace(checkpoint=None), tracker, summary, log=lambda line: None)
+    finalize(job, None, SimpleNamespace(checkpoint=None), None, tracker, summary, log=lambda line: None)
     expected = {"cluster_cost_usd_estimate": round(2 * (HEAD_OD + spot_nodes * SPOT), 4),
                 "cluster_gpu_energy_kwh_estimate": round(2 * spot_nodes * WATTS / 1000, 4)}
     assert summary.extra["cost"] == expected and logged == [expected]

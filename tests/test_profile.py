@@ -29,9 +29,9 @@ def test_a_profile_range_outside_the_run_is_refused_naming_the_field(steps, mess
 def test_a_run_in_epochs_is_checked_once_its_rows_are_known():
     job = config_lib.load(CONFIGS / "digits.yaml", ["train.max_steps=null", "train.epochs=2",
                                                      "train.profile={steps: [40, 46]}"])
-    check_profile_fits(job, train_rows=64 * 23)  # 23 steps an epoch: 46 steps
+    check_profile_fits(job.train, train_rows=64 * 23)  # 23 steps an epoch: 46 steps
     with pytest.raises(ConfigError, match=r"train.profile.steps \[40, 46\] ends after the run's last step"):
-        check_profile_fits(job, train_rows=64 * 22)
+        check_profile_fits(job.train, train_rows=64 * 22)
 
 
 def test_rank_0_writes_a_chrome_trace_of_the_steps_asked_for(tmp_path, capsys):

@@ -198,7 +198,7 @@ def test_a_server_that_never_returns_leaves_a_backlog_that_a_later_run_delivers(
 
     lines = []
     started = time.monotonic()
-    finalize(job, manifest, result, tracker, summary, lines.append)
+    finalize(job, manifest, result, result.checkpoint, tracker, summary, lines.append)
     tracker.finish("FINISHED")
     assert time.monotonic() - started < 15
     assert any(line.startswith(f"warning: MLflow at {server.uri} is unreachable: the final model is not logged")

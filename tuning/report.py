@@ -174,7 +174,7 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
             version = mlflow.register_model(logged[0].model_uri, name).version
     elif best.checkpoint_path:
         fs, path = storage.filesystem(best.checkpoint_path)
-        model = load_final_model(job, manifest, ray.train.Checkpoint(path, filesystem=fs))
+        model = load_final_model(job.model, manifest, ray.train.Checkpoint(path, filesystem=fs))
         registering = job.model_copy(update={"tracking": job.tracking.model_copy(
             update={"register_model": True, "registered_model_name": name})})
         version = log_model(registering, manifest, model, MlflowTracker(parent.tracking_uri, best.mlflow_run_id))[

@@ -44,6 +44,19 @@ def restore_point(run_dir: str, initial_checkpoint: str | None, agree: bool = Tr
     return None
 
 
+def final_checkpoint(registered: ray.train.Checkpoint | None, run_dir: str) -> ray.train.Checkpoint | None:
+    """A finished run's last checkpoint: the newest complete one in its directory when that is newer
+    than the one Ray Train registered last (registration lags the upload: a group restarted after
+    its last checkpoint was written resumes at the last step, trains nothing and reports nothing),
+    else the registered one."""
+    registered_step = ckpt.step_of(registered.path) if registered is not None else None
+    fs, path = storage.filesystem(run_dir)
+    newer = ckpt.newest_complete(fs, path, newer_than=registered_step if registered_step is not None else -1)
+    if newer is None:
+        return registered
+    return ray.train.Checkpoint(newer[1], filesystem=fs)
+
+
 def resume(run_dir: str, initial_checkpoint: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            scheduler, sharded: bool, agree: bool = True) -> ckpt.LoopState:
     """Load the restore point, if any, into `model`, `optimizer` and `scheduler` (in place);

@@ -133,22 +133,24 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
             watch.end("failed", _error_line(exc))
             raise
 
-    # A run resumed at its last step trains nothing and reports nothing: its checkpoint has the metrics.
+    # A group resumed at the last step trains nothing and reports nothing: its checkpoint has the metrics.
+    from training.checkpoint.format import metrics_of  # (lazy: torch)
+    from training.checkpoint.restore import final_checkpoint  # (lazy: ray.train)
+
+    checkpoint = final_checkpoint(result.checkpoint, paths.run_dir)
     metrics = dict(result.metrics or {})
     metrics.pop(SYSTEM_KEY, None)  # rank 0's last system-metric samples: logged by the controller already
-    if not metrics and result.checkpoint is not None:
-        from training.checkpoint.format import metrics_of  # (lazy: torch)
-
-        metrics = metrics_of(result.checkpoint.filesystem, result.checkpoint.path)
+    if checkpoint is not None and (not metrics or checkpoint is not result.checkpoint):
+        metrics = metrics_of(checkpoint.filesystem, checkpoint.path)
     summary = RunSummary(name=name, run_dir=paths.run_dir, steps=int(metrics.get("step", 0)),
                          metrics=metrics, wall_s=time.monotonic() - started, resumed=record is not None,
-                         checkpoint_path=result.checkpoint.path if result.checkpoint else None,
+                         checkpoint_path=checkpoint.path if checkpoint else None,
                          mlflow_run_id=tracker.run_id, tracking_uri=paths.tracking_uri, use_gpu=workers.use_gpu,
                          extra={"timings": {**timings, "fit_done": time.time(),
                                             "worker_start": metrics.get("worker_start_time"),
                                             "first_step": metrics.get("first_step_time")}})
     try:
-        finalize(job, manifest, result, tracker, summary, log)
+        finalize(job, manifest, result, checkpoint, tracker, summary, log)
     except BaseException as exc:
         watch.end("failed", _error_line(exc))
         raise

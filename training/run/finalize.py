@@ -17,6 +17,7 @@ from training.checkpoint import format as ckpt
 from training.config import JobConfig
 from training.data.registry import source_of
 from training.metrics import KEY_METRICS, PLOTTED
+from training.models.family import ModelSection
 from training.models.registry import build_model, family_of
 from training.redaction import redact, redact_values
 from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
@@ -26,8 +27,8 @@ from training.tracking.tracker import fluent_mlflow
 from training.worker.profile import PROFILE_DIR
 
 
-def load_final_model(job: JobConfig, manifest, checkpoint) -> torch.nn.Module:
-    model = build_model(job.model, {"task": manifest.task, **manifest.spec})
+def load_final_model(model_section: ModelSection, manifest, checkpoint) -> torch.nn.Module:
+    model = build_model(model_section, {"task": manifest.task, **manifest.spec})
     with checkpoint.as_directory() as directory:  # a sharded (fsdp) checkpoint is consolidated here
         model.load_state_dict(ckpt.load_model_state(directory, model))
     return model.eval()
@@ -135,7 +136,7 @@ def remove_unregistered_checkpoints(result, run_dir: str, log) -> list[str]:
     return stale
 
 
-def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
+def finalize(job: JobConfig, manifest, result, checkpoint, tracker, summary, log) -> None:
     """Log the final model, the plot and the summary to MLflow, and write summary.json next to the
     checkpoints. MLflow being away costs the MLflow part only: the run still ends well, with the
     model in its last checkpoint and the summary in its storage, and a warning says so."""
@@ -155,7 +156,7 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
     # A machine-readable result next to the checkpoints, with or without tracking; written first so
     # that it is there whatever happens to MLflow, and again once the model is logged.
     storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
-    if result.checkpoint is not None and tracker.run_id is not None:
+    if checkpoint is not None and tracker.run_id is not None:
         if not tracker.catch_up():  # the metrics first (the plot reads them back), and is MLflow there?
             summary.extra["mlflow_model_logged"] = False
             log(f"warning: MLflow at {redact(tracker.tracking_uri)} is unreachable: the final model is not logged or "
@@ -163,7 +164,7 @@ def finalize(job: JobConfig, manifest, result, tracker, summary, log) -> None:
         else:
             log_profile_traces(tracker, summary.run_dir, log)
             try:
-                log_final_artifacts(job, manifest, result, tracker, summary, log)
+                log_final_artifacts(job, manifest, checkpoint, tracker, summary, log)
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
                 log(redact(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
@@ -194,8 +195,9 @@ def log_profile_traces(tracker, run_dir: str, log) -> list[str]:
     return names
 
 
-def log_final_artifacts(job: JobConfig, manifest, result, tracker, summary, log=print) -> None:
-    model = load_final_model(job, manifest, result.checkpoint)
+def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, log=print) -> None:
+    """`checkpoint`: the run's last (training.checkpoint.restore.final_checkpoint)."""
+    model = load_final_model(job.model, manifest, checkpoint)
     logged = log_model(job, manifest, model, tracker)
     summary.registered_model = logged["registered_model"]
     summary.extra.update(logged)

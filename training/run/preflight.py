@@ -13,12 +13,13 @@ from typing import Callable, Optional
 from cluster.config import ConfigError as ClusterConfigError
 from cluster.config import load_cluster_yaml
 from training import storage, topics
-from training.config import JobConfig, check_profile_range
+from training.config import JobConfig, TrainConfig, check_profile_range
 from training.data.order import BatchPlan
 from training.data.registry import source_of
 from training.data.shards import changed_shard
 from training.data.source import DataCheck, DataPlan, DataSection
 from training.errors import ConfigError, UserError, first_line, one_line
+from training.models.family import ModelSection
 from training.models.registry import build_model, check_fits_task
 from training.redaction import redact
 from training.run.cost import cluster_config_path
@@ -55,10 +56,10 @@ def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
 
     def check(task: str, spec: dict, rows: dict) -> None:
         check_fits_task(job.model, task)
-        check_model_builds(job, task, spec)
+        check_model_builds(job.model, task, spec)
         check_metric_names(job, task)
-        check_batch_fits(job, rows["train"])
-        check_profile_fits(job, rows["train"])
+        check_batch_fits(job.train, rows["train"])
+        check_profile_fits(job.train, rows["train"])
         check_cluster_config(job.tracking.cluster_config)
         check_storage(paths)
 
@@ -109,31 +110,31 @@ def check_metric_names(job: JobConfig, task: str) -> None:
             check_metric(field, metric, task)
 
 
-def check_batch_fits(job: JobConfig, train_rows: int) -> None:
+def check_batch_fits(train: TrainConfig, train_rows: int) -> None:
     """At least one global batch per epoch (the workers' own rule, asked here before they start)."""
     try:
-        BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
+        BatchPlan(train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def check_profile_fits(job: JobConfig, train_rows: int) -> None:
+def check_profile_fits(train: TrainConfig, train_rows: int) -> None:
     """A run measured in epochs knows its last step once its data is known: the profiled steps lie
     within it (a run of max_steps is checked with its config)."""
-    if job.train.profile is None or job.train.epochs is None:
+    if train.profile is None or train.epochs is None:
         return
-    steps = job.train.total_steps(BatchPlan(job.train.global_batch_size, 1, 0).steps_per_epoch(train_rows))
-    check_profile_range(job.train.profile, steps, f"train.epochs {job.train.epochs:g} of {train_rows} rows")
+    steps = train.total_steps(BatchPlan(train.global_batch_size, 1, 0).steps_per_epoch(train_rows))
+    check_profile_range(train.profile, steps, f"train.epochs {train.epochs:g} of {train_rows} rows")
 
 
-def check_model_builds(job: JobConfig, task: str, spec: dict) -> None:
+def check_model_builds(model_section: ModelSection, task: str, spec: dict) -> None:
     """Build the model on the meta device (no memory, any size): a plug-in that cannot be imported,
     rejects its options or returns something else fails here, before anything starts."""
     import torch  # (torch: once the data is known, not on the config path)
 
     with torch.device("meta"):
-        model = build_model(job.model, {"task": task, **spec})
-    check_model_shapes(job.model.name, model, task, spec)
+        model = build_model(model_section, {"task": task, **spec})
+    check_model_shapes(model_section.name, model, task, spec)
 
 
 def check_model_shapes(name: str, model, task_name: str, spec: dict) -> None:
