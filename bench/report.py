@@ -15,8 +15,10 @@ def _f(value, digits=2):
 def _took(results: dict) -> str:
     if not results.get("elapsed_s"):
         return ""
-    rows = ", ".join(f"{k} {v / 60:.1f}" for k, v in sorted(results.get("row_seconds", {}).items(),
-                                                           key=lambda kv: -kv[1]) if v >= 60)
+    runs = results.get("row_runs") or {}
+    this_run = {k: v for k, v in results.get("row_seconds", {}).items()
+                if runs.get(k, results)["date"] == results["date"]}  # (a merged file: this run's rows)
+    rows = ", ".join(f"{k} {v / 60:.1f}" for k, v in sorted(this_run.items(), key=lambda kv: -kv[1]) if v >= 60)
     return f" The run took {results['elapsed_s'] / 60:.0f} min{f' ({rows} min)' if rows else ''}."
 
 
@@ -128,7 +130,8 @@ def markdown(results: dict) -> str:
         ratio = f"**{pair['ratio_median']:.3f}** ({spread(pair)}); " if pair else ""
         how = (f"throughput with a sample every {v['sampled_interval_s']:.0f} s on each node vs sampling off, "
                f"interleaved, {pair['rounds']} rounds (first {v['warmup_steps']} of {v['steps']} steps excluded); "
-               if pair else "") + "one sample's CPU time (MLflow's monitors, throughput, RSS) over the interval"
+               if pair else "") + ("one sample's CPU time (the node's series under MLflow's names, throughput, RSS) "
+                                   "over the interval")
         lines.append(f"| system metrics | {measured} | {ratio}{100 * v['core_share_at_default_interval']:.3f}% "
                      "of a core "
                      f"at the default {v['default_interval_s']:.0f} s | {how} |")
@@ -193,15 +196,18 @@ def markdown(results: dict) -> str:
                              f"both failure.mode continue, interleaved, {pairs['rounds']} pair(s): samples trained per "
                              "second, the skipped ones counted as lost |")
                 continue
+            extrapolated = "clean_steps" in v and "efficiency_pairs" not in v  # (a row from before the twin)
             lines.append(f"| {label} | kill -> next step {_f(v['kill_to_next_step_s_median'], 1)} s, steps lost "
                          f"{_f(v['steps_lost_median'], 0)} (median of {v['recoveries_measured']}; checkpoint every "
                          f"{v['checkpoint_every_n_steps']} steps) | **{_f(v['efficiency'])}** efficiency "
-                         f"({spread(pairs) if pairs else 'quick mode: no twin'}) | digits, 2 workers, "
+                         + ("" if extrapolated else f"({spread(pairs) if pairs else 'quick mode: no twin'}) ")
+                         + "| digits, 2 workers, "
                          f"{v['steps']} steps "
-                         f"with a worker SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs a "
-                         "failure-free twin of the same steps, interleaved, "
-                         f"{pairs['rounds'] if pairs else 0} pair(s): "
-                         "wall-time ratio per pair |")
+                         f"with a worker SIGKILLed every {v['failure_every_s']:.0f} s ({v['kills']} kills) vs "
+                         + (f"without failures (a failure-free run of {v['clean_steps']} steps, the rest at its steady "
+                            "rate): wall-time ratio |" if extrapolated else
+                            "a failure-free twin of the same steps, interleaved, "
+                            f"{pairs['rounds'] if pairs else 0} pair(s): wall-time ratio per pair |"))
         elif name == "sweep" and v:
             runs = "; ".join(f"seed {s['seed']}: {s['asha']['steps_to_target']} vs {s['fifo']['steps_to_target']}"
                              for s in v["seeds"])

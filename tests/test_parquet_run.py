@@ -96,7 +96,7 @@ def test_a_run_streams_a_spark_table_in_place_resumes_bit_identically_and_refuse
 
     # Resized from 2 workers to 1 (a resume at another size, as after an elastic resize; the elastic
     # node test takes a run 2 -> 1 -> 2): the same global batches as the fixed run, step for step
-    # (the data digest: training.data.loader.batch_digest).
+    # (the data digest: training.data.order.batch_digest).
     resized = None
     for workers, steps in ((2, 60), (1, 150)):
         resized = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + [

@@ -1,4 +1,4 @@
-"""What a model learns from the data (the task), defined once: the prepared data's columns and their
+"""What a model learns from the data (the task; driver and workers), defined once: the prepared data's columns and their
 dtypes, what the model is given and what it must return, the loss, the validation metrics, and the
 shape of a sample for the driver's checks. A data source says which task its data serves, a model
 family which tasks it can learn; the driver checks that they agree, the workers compute the loss.

@@ -26,7 +26,7 @@ PBT's exploit copies a donor's checkpoint onto another trial's optimizer setting
 manifest, which loads at any world size like the rest.
 
 The sample order and every random stream are pure functions of (seed, step, rank) (see
-training/data/loader.py and training/worker/seeding.py), so (seed, step) is the complete RNG state: a run resumed
+training/data/order.py and training/worker/seeding.py), so (seed, step) is the complete RNG state: a run resumed
 at step s draws exactly what it would have drawn.
 
 A run resumes from the newest *complete* checkpoint in its directory, which may be newer than the
@@ -67,8 +67,8 @@ class LoopState:
     best_metric: Optional[float] = None
     evals_without_improvement: int = 0
     stopped_early: bool = False
-    data_digest: int = 0  # of the global batches trained on through `step` (training.data.loader.batch_digest)
-    # failure.mode continue: the replica ledger (training/worker/replicas.py), samples skipped so far
+    data_digest: int = 0  # of the global batches trained on through `step` (training.data.order.batch_digest)
+    # failure.mode continue: the replica ledger (training/failure/replicas.py), samples skipped so far
     replicas: Optional[dict] = None
 
 

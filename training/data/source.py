@@ -1,7 +1,7 @@
-"""The data-source seam: what one kind of data (`data.source: NAME`) provides, used by the driver to
-prepare it and by the workers to read it. Each source is one module (digits, tinylm, parquet, text,
-and plug-ins by import string) registered by name in training/data/registry.py; nothing else in
-the tree names it.
+"""The data-source seam (driver and workers): what one kind of data (`data.source: NAME`) provides,
+used by the driver to prepare it and by the workers to read it. Each source is one module
+(digits, tinylm, parquet, text, and plug-ins by import string) registered by name in
+training/data/registry.py; nothing else in the tree names it.
 
 Driver, in this order (everything a user can get wrong fails in `plan`, before anything is written):
 

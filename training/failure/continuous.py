@@ -1,4 +1,4 @@
-"""`failure.mode: continue`: a dead worker stops nobody. Every worker is a torchft replica group
+"""`failure.mode: continue` (driver and workers): a dead worker stops nobody. Every worker is a torchft replica group
 (training/failure/replica_group.py); the others keep stepping without it, Ray Train replaces only
 the lost one, and it takes the live state from a peer, not from storage (ddp, a fixed
 scaling.num_workers >= 2; see README "Continuous training").

@@ -1,4 +1,4 @@
-"""The failure-mode seam: how a run survives a dead worker, a lost node or a preemption
+"""The failure-mode seam (driver and workers): how a run survives a dead worker, a lost node or a preemption
 (`failure.mode: NAME`). Each mode is one module (restart, continue) registered by name in
 training/failure/registry.py; nothing else in the tree names it.
 

@@ -1,4 +1,4 @@
-"""`failure.mode: restart` (the default): a dead worker or a lost node restarts the whole worker
+"""`failure.mode: restart` (the default; driver and workers): a dead worker or a lost node restarts the whole worker
 group from the latest checkpoint (Ray Train's own restart), at any world size, exactly: the data
 order and every random stream are functions of (seed, step), and the data digest proves it. A
 preemption notice (a node drained for preemption) checkpoints at once and again just before the

@@ -1,5 +1,6 @@
-"""The built-in `digits_mlp` and `digits_cnn` families: small classifiers for the digits data (8x8
-images as 64 features). Their networks: training/models/digits_nn.py."""
+"""The built-in `digits_mlp` and `digits_cnn` families (built on the workers, checked on the driver):
+small classifiers for the digits data (8x8 images as 64 features). Their networks:
+training/models/digits_nn.py."""
 
 from __future__ import annotations
 

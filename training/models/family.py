@@ -1,4 +1,4 @@
-"""The model-family seam: what one kind of model (`model.name: NAME`) provides. Each family is one
+"""The model-family seam (driver and workers): what one kind of model (`model.name: NAME`) provides. Each family is one
 module (digits_mlp and digits_cnn, gpt, and plug-ins by import string) registered by name in
 training/models/registry.py; nothing else in the tree names it. Torch-free at import (the config
 path): a family imports its network where it builds it.

@@ -1,6 +1,7 @@
-"""The built-in `gpt` family: a decoder-only transformer (GPT-style) for language modelling, sized by a
-preset (tiny: ~0.4M parameters, a CPU laptop; small: ~19M; base: ~114M, a GPU) or by explicit
-options. Its network: training/models/gpt_nn.py."""
+"""The built-in `gpt` family (built on the workers, checked on the driver): a decoder-only
+transformer (GPT-style) for language modelling, sized by a preset (tiny: ~0.4M parameters, a CPU
+laptop; small: ~19M; base: ~114M, a GPU) or by explicit options. Its network:
+training/models/gpt_nn.py."""
 
 from __future__ import annotations
 

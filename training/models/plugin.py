@@ -1,4 +1,5 @@
-"""Model families by import string: `model.name: "package.module:function"`.
+"""Model families by import string (built on the workers, checked on the driver):
+`model.name: "package.module:function"`.
 
 Plug-in contract: `def my_model(spec: dict, **options) -> torch.nn.Module`. `spec` describes the
 prepared data: `task` ("classification" or "language_model") plus `input_dim` and `num_classes`
