@@ -11,7 +11,7 @@ from training.errors import UserError
 from training.models.registry import build_model as build_section
 from training.models.registry import check_fits_task, model_section
 from training.worker.optim import build_optimizer, lr_factor
-from training.worker.seeding import step_seed
+from training.worker.seeding import StepSeeder, step_seed, step_seeds
 
 
 def build_model(name: str, options: dict, spec: dict):
@@ -82,6 +82,21 @@ def test_the_newest_complete_checkpoint_is_found_and_cut_short_ones_never(tmp_pa
 def test_step_seed_depends_on_seed_step_and_rank():
     seeds = {step_seed(s, t, r) for s in (0, 1) for t in (0, 1, 2) for r in (0, 1)}
     assert len(seeds) == 12 and step_seed(0, 5, 1) == step_seed(0, 5, 1)
+
+
+def test_step_seeds_in_a_block_are_the_step_seeds_one_at_a_time():
+    for seed, first, rank in ((0, 0, 0), (12345, 1000, 3), ((1 << 63) + 7, (1 << 40) - 5, 1)):
+        assert step_seeds(seed, first, 50, rank) == [step_seed(seed, first + k, rank) for k in range(50)]
+
+
+def test_the_step_seeder_draws_what_seeding_each_step_alone_draws():
+    """Across a block's edge, and when a resumed run starts mid-block, or steps go back."""
+    seeder = StepSeeder(7, 1, torch.device("cpu"))
+    for step in (0, 1, StepSeeder.BLOCK - 1, StepSeeder.BLOCK, StepSeeder.BLOCK + 1, 5000, 3):
+        seeder(step)
+        drawn = torch.rand(4)
+        torch.manual_seed(step_seed(7, step, 1))
+        assert torch.equal(drawn, torch.rand(4)), step
 
 
 def test_warmup_then_cosine():

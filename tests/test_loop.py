@@ -25,6 +25,7 @@ from training.worker.optim import build_optimizer, lr_factor
 from training.worker.policy import StepPolicy
 from training.worker.profile import StepProfiler
 from training.worker.progress import Progress, RunFacts
+from training.worker.seeding import StepSeeder
 from training.worker.setup import Worker, tensors
 
 
@@ -60,7 +61,8 @@ def a_worker(tmp_path, steps: int, mode=None, overrides=()) -> Worker:
     return Worker(WorkerConfig.of(job, manifest.root, str(tmp_path / "run")), 0, device, TASKS[manifest.task], plan,
                   data, val_rows, steps, torch.tensor(1 / plan.global_batch_size), parallel.autocast("auto", device),
                   model, model, optimizer, scheduler, False, mode, state, policy, progress, Reports(),
-                  StepProfiler(None, 0, device, str(tmp_path)), None, keeps_digest=True)
+                  StepProfiler(None, 0, device, str(tmp_path)), None, keeps_digest=True,
+                  seed=StepSeeder(job.seed, 0, device))
 
 
 def test_the_loop_steps_reports_evaluates_and_checkpoints_when_due(tmp_path):

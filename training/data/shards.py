@@ -124,11 +124,14 @@ class TrainShard:
         order = epoch_order(self.seed, epoch, self.reader.num_rows)
         B = self.plan.global_batch_size
         parts = [self.plan.rank_part(order[j * B:(j + 1) * B]) for j in range(first_position, self.steps_per_epoch)]
-        self._offsets = np.cumsum([0] + [len(p) for p in parts])
-        self._rows = self.reader.take(np.concatenate(parts))
+        offsets = np.cumsum([0] + [len(p) for p in parts])
+        rows = self.reader.take(np.concatenate(parts))
+        # each step's part, cut once (a step then only looks its part up)
+        self._batches = [{name: column[start:stop] for name, column in rows.items()}
+                         for start, stop in zip(offsets[:-1], offsets[1:])]
         self._parts = parts
         self._digests = batch_digests(epoch * self.steps_per_epoch + np.arange(first_position, self.steps_per_epoch),
-                                      np.stack(parts))  # (a rank's part is the same length at every step)
+                                      np.stack(parts)).tolist()  # (a rank's part is the same length at every step)
         self._epoch, self._first = epoch, first_position
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -136,16 +139,14 @@ class TrainShard:
         epoch, position = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch or position < self._first:
             self._load_epoch(epoch, position)
-        k = position - self._first
-        start, stop = self._offsets[k], self._offsets[k + 1]
-        return {name: column[start:stop] for name, column in self._rows.items()}
+        return self._batches[position - self._first]
 
     def sample_ids(self, step: int) -> np.ndarray:
         """The split's row numbers in this worker's part of global batch `step` (after `batch(step)`)."""
         return self._parts[step % self.steps_per_epoch - self._first]
 
     def digest(self, step: int) -> int:
-        return int(self._digests[step % self.steps_per_epoch - self._first])
+        return self._digests[step % self.steps_per_epoch - self._first]
 
     def close(self) -> None:
         """(Nothing is read ahead.)"""

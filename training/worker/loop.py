@@ -15,7 +15,6 @@ from training.worker import parallel
 from training.worker.config import WorkerConfig
 from training.worker.evaluate import update_early_stopping
 from training.worker.policy import NOTHING_DUE
-from training.worker.seeding import seed_all, step_seed
 from training.worker.setup import Worker, start_worker
 
 
@@ -32,7 +31,7 @@ def run(w: Worker) -> None:
         mode.begin_step(state.step)
         batch = w.batch(state.step)
         compute = progress.mark()
-        seed_all(step_seed(w.config.seed, state.step, w.rank), w.device)  # dropout: a function of the step
+        w.seed(state.step)  # dropout: a function of the step
         for part, sync in w.micro_batches(batch):
             with parallel.gradient_sync(w.train_model, sync), w.autocast:
                 loss_sum, units, _ = w.task.forward_loss(w.train_model, part)

@@ -38,6 +38,7 @@ from training.worker.optim import build_optimizer, lr_factor
 from training.worker.policy import StepPolicy
 from training.worker.profile import StepProfiler
 from training.worker.progress import Progress, RunFacts
+from training.worker.seeding import StepSeeder
 
 
 def tensors(columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -75,6 +76,10 @@ class Worker:
     # The data digest proves that every global batch was trained on: a mode whose workers skip
     # samples by design (not in lockstep: continue) keeps none.
     keeps_digest: bool
+    seed: StepSeeder  # seeds a step's draws (dropout) from (seed, step, rank)
+
+    def __post_init__(self):
+        self.on_cpu = self.device.type == "cpu"
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This worker's part of global batch `step` on the device; the wait counted as data wait.
@@ -82,7 +87,7 @@ class Worker:
         fetch_s = time.perf_counter()
         data_step = min(step, self.total_steps - 1)
         batch = tensors(self.data.batch(data_step))
-        if self.device.type != "cpu":
+        if not self.on_cpu:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if self.keeps_digest:
             self.progress.add_digest(self.data.digest(data_step))
@@ -173,4 +178,5 @@ def start_worker(config: WorkerConfig) -> Worker:
     profiler = StepProfiler(config.train.profile, rank, device, config.run_dir)
     return Worker(config, rank, device, task, plan, data, val_rows, total_steps, loss_scale,
                   parallel.autocast(config.train.precision, device), model, train_model, optimizer, scheduler, sharded,
-                  mode, state, policy, progress, reporter, profiler, sampler, keeps_digest=failure.lockstep)
+                  mode, state, policy, progress, reporter, profiler, sampler, keeps_digest=failure.lockstep,
+                  seed=StepSeeder(config.seed, rank, device))
