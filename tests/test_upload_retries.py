@@ -20,10 +20,15 @@ class FailingStorage(pafs.FileSystemHandler):
 
     def __init__(self, target: str, failures=None):
         self.inner, self.target, self.failures, self.writes = pafs.LocalFileSystem(), target, failures, 0
+        self.fail_writes = None  # or the numbers of the writes that fail (1 = the first)
+        self.transfer = lambda: None  # called by every write: a test's clock moves by a transfer's time
 
     def _attempt(self):
         self.writes += 1
-        if self.failures is None or self.writes <= self.failures:
+        self.transfer()
+        failing = self.writes in self.fail_writes if self.fail_writes is not None else (
+            self.failures is None or self.writes <= self.failures)
+        if failing:
             raise OSError(f"When uploading to {self.target}: {RETRYABLE}")
 
     def create_dir(self, path, recursive):
@@ -119,10 +124,48 @@ def test_one_budget_covers_every_file_and_no_wait_ends_past_it(tmp_path, failing
     assert slept == [1, 2, 4] and sum(slept) <= 10  # the next wait (4 s) would have ended past 10 s
 
 
+def test_the_budget_counts_waiting_between_attempts_not_the_transfer(tmp_path, failing_storage):
+    """A large checkpoint: each file takes 150 s to write (on a test clock). One transient error on
+    the last file, past the 120 s budget's length of transfer, is still retried: the budget bounds
+    how long an outage is waited out. A preemption's deadline still counts the transfer."""
+    local = saved_checkpoint(tmp_path / "local")
+    now = [0.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    def transfer():
+        now[0] += 150.0
+
+    failing_storage.transfer = transfer
+    failing_storage.fail_writes = {3}  # create_dir, state.pt, then meta.json fails once
+    policy = RetryPolicy(attempts=6, first_delay_s=1, max_delay_s=30, budget_s=120)
+    fs, path = upload(local, str(tmp_path / "remote"), "checkpoint-00000020", policy, sleep=sleep, clock=lambda: now[0])
+    assert slept == [1] and failing_storage.writes == 4 and ckpt.is_complete(pafs.LocalFileSystem(), path)
+
+    # a wait budget is spent by waiting alone: an outage longer than it still gives up
+    failing_storage.transfer, failing_storage.fail_writes, failing_storage.writes, slept[:] = lambda: None, None, 0, []
+    with pytest.raises(UploadFailed, match="failed 5 times in 15 s"):
+        upload(local, str(tmp_path / "remote"), "checkpoint-00000030",
+               RetryPolicy(attempts=9, first_delay_s=1, max_delay_s=8, budget_s=20), sleep=sleep,
+               clock=lambda: now[0])
+    assert slept == [1, 2, 4, 8]  # 15 s waited; the next 8 s would pass 20
+
+    # a deadline (a preemption's final save) bounds the wall clock, the transfer included
+    failing_storage.transfer, failing_storage.fail_writes, failing_storage.writes, slept[:] = transfer, {2}, 0, []
+    with pytest.raises(UploadFailed, match="failed 1 times in 300 s"):
+        upload(local, str(tmp_path / "remote"), "checkpoint-00000040", policy.within(200), sleep=sleep,
+               clock=lambda: now[0])
+    assert slept == []
+
+
 def test_a_preemption_upload_gets_what_the_deadline_leaves():
     assert synchronous_upload_budget_s(deadline_s=1_000.0, now_s=970.0) == pytest.approx(28.0)
     assert synchronous_upload_budget_s(deadline_s=1_000.0, now_s=1_005.0) == 0.0
     assert 0 < synchronous_upload_budget_s(None, now_s=0.0) <= 10.0  # no deadline known: a final save's least margin
     # a spent budget is one attempt, no wait
-    assert RetryPolicy().within(0).delay_s(1, elapsed_s=0.0) is None
+    assert RetryPolicy().within(0).delay_s(1, waited_s=0.0, elapsed_s=0.0) is None
     assert RetryPolicy(budget_s=5).within(60).budget_s == 5
+    assert RetryPolicy(budget_s=120).within(60).delay_s(1, waited_s=0.0, elapsed_s=59.5) is None

@@ -23,7 +23,7 @@ class Retrier:
                  log: logging.Logger, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], object] = time.sleep):
         self.policy, self.give_up, self.log, self.clock, self.sleep = policy, give_up, log, clock, sleep
-        self.started_s, self.failures = clock(), 0
+        self.started_s, self.failures, self.waited_s = clock(), 0, 0.0
 
     def run(self, action: Callable[[], T], what: str) -> T:
         while True:
@@ -32,10 +32,11 @@ class Retrier:
             except OSError as exc:
                 self.failures += 1
                 elapsed = self.clock() - self.started_s
-                delay = self.policy.delay_s(self.failures, elapsed)
+                delay = self.policy.delay_s(self.failures, waited_s=self.waited_s, elapsed_s=elapsed)
                 if delay is None:
                     raise self.give_up(what, self.failures, elapsed, exc) from exc
-                self.log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s used)", what,
-                                 first_line(exc, 200), self.failures, self.policy.attempts - 1, delay, elapsed,
-                                 self.policy.budget_s)
+                self.log.warning("%s failed (%s); retry %d of at most %d in %.0f s (%.0f s of %.0f s of waiting "
+                                 "used)", what, first_line(exc, 200), self.failures, self.policy.attempts - 1, delay,
+                                 self.waited_s, self.policy.budget_s)
                 self.sleep(delay)
+                self.waited_s += delay
