@@ -122,6 +122,29 @@ def test_posts_reach_a_real_receiver_once_and_a_failing_one_is_retried_then_logg
     assert SECRET not in " ".join(warnings)
 
 
+def test_a_nan_or_infinite_metric_is_posted_as_json_null_that_a_strict_receiver_takes():
+    """Python's json writes NaN as a bare `NaN`: a strict receiver answers 400, which is not
+    retried, and the notification was lost. The body is strict JSON with the number as null."""
+    import numpy as np
+
+    warnings = []
+    with receiver() as strict:
+        notifier = Notifier([Target("tracking.notify.0", strict.url(), ("failed", "finished"))],
+                            PostPolicy(backoff_s=0.01), warn=warnings.append)
+        failed = run_message("failed", "r1", step=7, metrics={"train_loss": float("nan"), "val_loss": float("inf")},
+                             error="loss is nan")
+        sweep = sweep_message("finished", "s", counts={"finished": 1}, metric="val_loss",
+                              best={"trial_id": "t1", "run": "s-t1", "value": np.float32("-inf"), "steps": 4,
+                                    "params": {"lr": [np.float64("nan"), 0.5]}})
+        assert [d.delivered for d in notifier.notify("failed", failed) + notifier.notify("finished", sweep)] \
+            == [True, True]
+        assert strict.malformed == [] and warnings == []
+        run_body, sweep_body = (post["body"] for post in strict.posts)
+    assert run_body["metrics"] == {"train_loss": None, "val_loss": None} and "train_loss nan" in run_body["text"]
+    assert sweep_body["best"]["value"] is None and sweep_body["best"]["params"] == {"lr": [None, 0.5]}
+    assert sweep_body["best"]["steps"] == 4 and run_body["step"] == 7  # integers stay integers
+
+
 def test_a_receiver_that_is_down_costs_a_warning_and_no_exception():
     with receiver() as down:
         url = down.url(f"/{SECRET}")

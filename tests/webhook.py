@@ -1,5 +1,6 @@
 """A webhook receiver for tests: a real http.server on loopback, in a thread, that records every
-JSON body posted to it (and can answer the first posts with an error)."""
+JSON body posted to it (and can answer the first posts with an error). It is as strict as a real
+one: a body that is not JSON (Python's bare NaN or Infinity included) is answered 400."""
 
 import json
 import threading
@@ -12,6 +13,7 @@ class Receiver:
         self.server, self.fail_first, self.status = server, fail_first, status
         self.posts: list[dict] = []   # {"path": ..., "body": ...} of every post answered 200
         self.refused = 0              # posts answered with the error status
+        self.malformed: list[bytes] = []  # bodies answered 400: not JSON
         self.lock = threading.Lock()
 
     @property
@@ -26,11 +28,23 @@ class Receiver:
             return [p["body"].get("event") for p in self.posts]
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 @contextmanager
 def receiver(fail_first: int = 0, status: int = 500):
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                body = json.loads(raw or b"{}", parse_constant=_not_json)
+            except ValueError:
+                with got.lock:
+                    got.malformed.append(raw)
+                self.send_response(400)
+                self.end_headers()
+                return
             with got.lock:
                 failing = got.refused < got.fail_first
                 if failing:

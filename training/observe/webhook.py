@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import threading
 import time
 import urllib.error
@@ -37,6 +39,26 @@ class PostPolicy:
         if status is not None and 400 <= status < 500 and status not in (408, 429):
             return None
         return self.backoff_s * 2 ** (attempt - 1)
+
+
+def _finite_or_none(value):
+    """JSON has no NaN or infinity: Python writes them as bare `NaN` / `Infinity`, which a strict
+    receiver refuses (400, not retried: the notification is lost). They go as null, as
+    JavaScript's JSON.stringify sends them: a metric field stays a number or nothing, which a
+    receiver typed for numbers accepts where it would refuse a string; the `text` line still shows
+    "nan" for a person."""
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return float(value) if math.isfinite(value) else None
+    return value
+
+
+def body_json(body: dict) -> bytes:
+    """A notification's body as strict JSON (non-finite numbers as null, anything else not JSON as its text)."""
+    return json.dumps(_finite_or_none(body), default=str, allow_nan=False).encode()
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,7 @@ class Notifier:
         return thread
 
     def _post(self, target: Target, body: dict) -> Delivery:
-        data = json.dumps(body, default=str).encode()
+        data = body_json(body)
         attempt = 0
         while True:
             attempt += 1
