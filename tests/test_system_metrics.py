@@ -4,6 +4,7 @@ MLflow from both: tests/test_fault_nodes.py.)"""
 
 import inspect
 import re
+import threading
 import time
 
 import pytest
@@ -104,30 +105,43 @@ def test_the_sampler_thread_samples_at_its_interval_and_stops():
     assert sampler.take() == []  # stopped
 
 
-def test_a_workers_monitors_are_built_one_interval_in_not_before_its_first_step():
+def test_a_worker_samples_as_it_starts_and_once_more_with_its_last_report():
+    """A run shorter than the interval still has a series of two points: the sampler's first
+    sample comes as soon as it starts (not one interval in), and the last report takes one more.
+    The monitors are built in the sampling thread, not on the worker's way to its first step."""
+    from conftest import wait_for
+
     built = []
 
     def build():
-        built.append(time.monotonic())
+        built.append(threading.current_thread().name)
         return [("count", lambda: {"x": 1.0})]
 
-    started = time.monotonic()
-    sampler = SystemSampler(0.2, "n", build)
+    sampler = SystemSampler(3600, "n", build, first_sample_s=0.05)  # an interval no test waits out
     sampler.start()
-    assert built == [] and sampler.take() == []  # nothing built while the worker gets to its first step
-    time.sleep(0.7)
+    first = wait_for(sampler.take, 60, "the first sample, before one interval has passed")
+    assert len(first) == 1 and built == ["system-metrics"]
+    sampler.sample_now()  # the run's last report
     sampler.stop()
-    assert len(built) == 1 and built[0] - started >= 0.2
-    assert 1 <= len(sampler.take()) <= 3  # samples from the interval after the build on
+    (last,) = sampler.take()
+    assert last["time_s"] >= first[0]["time_s"] and last["node_values"] == {"x": 1.0}
+
+    # a last report before the thread's first sample: the monitors are built for it, once
+    early = SystemSampler(3600, "n", build, first_sample_s=3600)
+    early.start()
+    early.sample_now()
+    early.stop()
+    assert len(early.take()) == 1 and len(built) == 2
 
     warned = []
 
     def broken():
-        raise ImportError("no module named mlflow")
+        raise ImportError("no module named pynvml")
 
-    failing = SystemSampler(0.05, "n", broken, warn=warned.append)
+    failing = SystemSampler(3600, "n", broken, warn=warned.append, first_sample_s=0)
     failing.start()
-    time.sleep(0.3)
+    wait_for(lambda: warned, 60, "the warning of a sampler that cannot be built")
+    failing.sample_now()
     failing.stop()
     assert failing.take() == [] and len(warned) == 1 and "system metrics are off" in warned[0]
 

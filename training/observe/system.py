@@ -127,21 +127,26 @@ def process_monitor(rank: int) -> tuple[str, Callable[[], dict]]:
 
 
 class SystemSampler:
-    """Samples every `interval_s` in a daemon thread; `take()` hands over the samples since the
-    last call, each {"time_s", "node", "node_values", "worker_values"}. A monitor that raises is
-    dropped with a warning."""
+    """Samples in a daemon thread: once as soon as it starts (`first_sample_s` in, so that the CPU
+    figure covers a real span), then every `interval_s`; the worker takes one more with its run's
+    last report (`sample_now`), so that a run shorter than the interval still has a series and no
+    sample is taken after the last report, which would never be sent. `take()` hands over the
+    samples since the last call, each {"time_s", "node", "node_values", "worker_values"}. A monitor
+    that raises is dropped with a warning."""
 
     def __init__(self, interval_s: float, node: str,
                  monitors: list[tuple[str, Callable[[], dict]]] | Callable[[], list[tuple[str, Callable[[], dict]]]],
-                 warn: Callable[[str], None] = lambda line: warnings.warn(line, stacklevel=2)):
-        """`monitors`, or a function that builds them: then the sampling thread calls it one
-        interval in and samples from the next interval on, so that building them (NVML's start on
-        a GPU node) is not between a worker's start and its first step."""
+                 warn: Callable[[str], None] = lambda line: warnings.warn(line, stacklevel=2),
+                 first_sample_s: float = 1.0):
+        """`monitors`, or a function that builds them: then the first sample builds them, in the
+        sampling thread (NVML's start on a GPU node is not on the worker's way to its first step)."""
         self.interval_s, self.node, self.warn = interval_s, node, warn
+        self.first_sample_s = min(first_sample_s, interval_s)
         self._build = monitors if callable(monitors) else None
         self._monitors = [] if callable(monitors) else list(monitors)
         self._held: list[dict] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the held samples
+        self._sampling = threading.Lock()  # one sample at a time: the thread's, or the last report's
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -166,6 +171,12 @@ class SystemSampler:
             self.warn(f"system metrics are off on this worker: {type(exc).__name__}: {exc}")
 
     def sample_now(self) -> None:
+        with self._sampling:
+            if self._build is not None:
+                self.build_monitors()
+            self._sample()
+
+    def _sample(self) -> None:
         values: dict = {"node_values": {}, "worker_values": {}}
         for entry in list(self._monitors):
             name, monitor = entry
@@ -187,11 +198,14 @@ class SystemSampler:
 
     def start(self) -> None:
         def loop():
-            while not self._stop.wait(self.interval_s):
+            with self._sampling:  # (a last sample asked for meanwhile waits for the monitors)
                 if self._build is not None:
                     self.build_monitors()
-                else:
-                    self.sample_now()
+            if self._stop.wait(self.first_sample_s):
+                return
+            self.sample_now()
+            while not self._stop.wait(self.interval_s):
+                self.sample_now()
 
         self._thread = threading.Thread(target=loop, name="system-metrics", daemon=True)
         self._thread.start()

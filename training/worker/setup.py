@@ -118,8 +118,13 @@ class Worker:
                         self.autocast, lockstep=self.sharded)
 
     def system_samples(self) -> Optional[list]:
-        """This node's system metrics and this worker's memory since the last report."""
-        return self.sampler.take() if self.sampler else None
+        """This node's system metrics and this worker's memory since the last report; the run's
+        last report takes one more now (a sample after it would never be sent)."""
+        if not self.sampler:
+            return None
+        if self.state.step >= self.total_steps or self.state.stopped_early:
+            self.sampler.sample_now()
+        return self.sampler.take()
 
     def close(self) -> None:
         self.data.close()  # a streamed split's read-ahead threads
