@@ -92,3 +92,86 @@ def test_a_run_that_never_starts_writes_no_log(tmp_path, capsys):
     with console_log(log):
         print("error: bad input", file=sys.stderr)
     assert not (tmp_path / "r1").exists() and "error: bad input" in capsys.readouterr().err
+
+
+YELLOW, MAGENTA = "\x1b[33m", "\x1b[35m"
+WORKER_DIED = (
+    f"{YELLOW}(raylet){RESET} A worker died or was killed while executing a task by an unexpected system error. To "
+    "troubleshoot the problem, check the logs for the dead worker. RayTask ID: ffffffffffffffff7b1e2d1c9a5c0f3e0d4a"
+    "b3c201000000 Worker ID: 9c3f5e1f2a0b8d7c6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f Node ID: 4e1b0c2d3e4f5a6b7c8d9e0f"
+    "1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d Worker IP address: 127.0.0.1 Worker port: 38643 Worker PID: 20941 Worker exit "
+    "type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file. "
+    "There are some potential root causes. (1) The process is killed by SIGKILL by OOM killer due to high memory "
+    "usage. (2) ray stop --force is called. (3) The worker is crashed unexpectedly due to SIGSEGV or other unexpected "
+    "errors.")
+# The surviving worker's 12 lines, as Ray Train's worker logs them (stderr) with Ray's prefix in colour.
+SURVIVOR = [f"{MAGENTA}(RayTrainWorker pid=20942){RESET} {text}" for text in (
+    "Error in training function:",
+    "Traceback (most recent call last):",
+    '  File "/work/main/training/worker/loop.py", line 23, in train_loop_per_worker',
+    "    run(start_worker(config))",
+    '  File "/work/main/training/worker/loop.py", line 37, in run',
+    "    loss_sum.backward(w.loss_scale)",
+    '  File "/work/main/.venv/lib/python3.11/site-packages/torch/_tensor.py", line 626, in backward',
+    "    torch.autograd.backward(",
+    '  File "/work/main/.venv/lib/python3.11/site-packages/torch/autograd/__init__.py", line 347, in backward',
+    "    _engine_run_backward(",
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+    "[127.0.0.1]:22017",
+    "")]
+RESUMED = (f"{MAGENTA}(RayTrainWorker pid=21377){RESET} resumed from step 500 with 2 workers "
+           "(/runs/r1/checkpoint-00000500)")
+
+
+def test_a_worker_failure_reads_one_line_each_on_the_console_and_all_of_it_in_the_log(tmp_path, capsys):
+    """A worker killed mid-run, as the console got it: the raylet's line, the survivor's gloo
+    traceback, the controller's line, the new group's resume (printed twice by Ray Train's print
+    patch: stdout, and its logger on stderr), MLflow registering a new version, in Ray's colours."""
+    from training.tracking.callback import failure_line
+
+    log = RunLog(tmp_path / "driver.log")
+    with console_log(log):
+        log.start()
+        print(WORKER_DIED, file=sys.stderr)
+        for line in SURVIVOR:
+            print(line, file=sys.stderr)
+        print(f"{CYAN}(TrainController pid=4242){RESET} "
+              + failure_line({0: RuntimeError("gloo"), 1: OSError("died")}, checkpoint_step=500))
+        print(RESUMED)
+        print(RESUMED, file=sys.stderr)
+        print("Registered model 'digits-digits_mlp' already exists. Creating a new version of this model...",
+              file=sys.stderr)
+        print(f"{MAGENTA}(RayTrainWorker pid=21377){RESET} my plug-in: epoch 3")  # a worker's own line still shows
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "a worker process (pid 20941) on 127.0.0.1 died (SYSTEM_ERROR); its message is in the run's log"]
+    assert out.splitlines() == [
+        "worker failure (rank 0: RuntimeError, rank 1: OSError); the group restarts from step 500 if the failure "
+        "budget allows",
+        "(RayTrainWorker pid=21377) resumed from step 500 with 2 workers (/runs/r1/checkpoint-00000500)",
+        "(RayTrainWorker pid=21377) my plug-in: epoch 3"]
+    assert "\x1b[" not in out + err
+    text = log.path.read_text()
+    assert "Worker exit detail: Worker unexpectedly exits" in text and "Connection closed by peer" in text
+    assert text.count("resumed from step 500") == 2 and "already exists. Creating a new version" in text
+    assert "\x1b[" not in text
+
+
+def test_a_traceback_ends_with_its_exception_and_one_worker_count_is_singular():
+    router = ConsoleRouter()
+    lines = ["(RayTrainWorker pid=7) Traceback (most recent call last):", '(RayTrainWorker pid=7)   File "x.py"',
+             "(RayTrainWorker pid=7)     boom()", "(RayTrainWorker pid=7) ValueError: boom"]
+    assert [router.route(line, is_err=True).place for line in lines] == [Place.LOG] * 4
+    assert router.route("(RayTrainWorker pid=7) step 3 of my plug-in").place is Place.CONSOLE
+    # another process's lines are not taken for this one's traceback
+    router.route("(RayTrainWorker pid=8) Error in training function:")
+    assert router.route("(RayTrainWorker pid=7)   indented output of a plug-in").place is Place.CONSOLE
+    assert router.route("(raylet, ip=10.0.0.2) A worker died or was killed while executing a task").text == \
+        "a worker process on 10.0.0.2 died; its message is in the run's log"
+    assert opening_line("r1", "job.yaml", 1, "/runs/r1", None).startswith("run r1 | config job.yaml | 1 worker |")
+
+    from training.tracking.callback import progress_line
+
+    metrics = {"step": 5, "total_steps": 10, "train_loss": 0.5, "samples_per_s": 100.0, "world_size": 1}
+    assert progress_line(metrics, None).endswith("| 1 worker")
+    assert progress_line({**metrics, "world_size": 2}, None).endswith("| 2 workers")

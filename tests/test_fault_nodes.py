@@ -223,7 +223,7 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     # final one on the remaining node, and no step was taken after it by the old group.
     saved = sorted(s for s, m in checkpoints(run_dir).items() if "preemption_checkpoint_step" in m["metrics"])
     assert len(saved) == 2 and all(s % 1000 for s in saved), saved
-    assert f"resumed from step {saved[-1]} with 1 workers" in text
+    assert f"resumed from step {saved[-1]} with 1 worker (" in text
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")

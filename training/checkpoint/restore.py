@@ -68,5 +68,6 @@ def resume(run_dir: str, initial_checkpoint: str | None, model: torch.nn.Module,
         loop = ckpt.restore(directory, model, optimizer, scheduler, sharded=sharded)
     context = ray.train.get_context()
     if context.get_world_rank() == 0 or not agree:
-        print(f"resumed from step {loop.step} with {context.get_world_size()} workers ({checkpoint.path})")
+        workers = context.get_world_size()
+        print(f"resumed from step {loop.step} with {workers} worker{'s' if workers != 1 else ''} ({checkpoint.path})")
     return loop

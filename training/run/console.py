@@ -2,9 +2,13 @@
 
 The console opens with one line (`opening_line`), shows the Train controller's progress lines
 without Ray's `(TrainController pid=...)` prefix, and keeps what is not the user's to act on (Ray's
-own actors' chatter, warnings raised inside Ray and MLflow) in the run's log file, which also gets
-everything the console shows. `ConsoleRouter.route` decides a line's place (pure); `console_log`
-installs it on stdout and stderr and on Python's warnings for the length of a run.
+own actors' chatter, warnings raised inside Ray and MLflow, a worker's traceback) in the run's log
+file, which also gets everything the console shows. During a worker failure the console reads one
+line each: the raylet's "a worker died" (condensed), the controller's "the group restarts from step
+N", the worker's "resumed from step N". Ray's colour codes go nowhere: the console may be a file.
+`ConsoleRouter.route` decides a line's place (no I/O; it remembers which worker is in the middle of a
+traceback, and the lines each worker just showed); `console_log` installs it on stdout and stderr and
+on Python's warnings for the length of a run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import re
 import sys
 import warnings
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +32,17 @@ from training.topics import TOPICS
 # Ray prefixes each line it forwards from a worker process: "(<actor or task> pid=N[, ip=A]) ",
 # in colour codes unless RAY_COLOR_PREFIX=0 (see ray._private.worker.print_worker_logs).
 _COLOUR = r"(?:\x1b\[[0-9;]*m)?"
-_RAY_PREFIX = re.compile(rf"^{_COLOUR}\((?P<source>[^()]*?)\s*pid=[0-9]+(?:, ip=[^)]*)?\){_COLOUR} ?")
+_RAY_PREFIX = re.compile(rf"^{_COLOUR}\((?P<source>[^()]*?)\s*(?P<pid>pid=[0-9]+)(?:, ip=[^)]*)?\){_COLOUR} ?")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# The raylet's own lines come as "(raylet[, ip=A]) ..."; this one, one long line, is how a killed or
+# crashed worker process shows (the controller's line after it says what Ray Train does about it).
+_RAYLET_PREFIX = re.compile(rf"^{_COLOUR}\(raylet(?:, ip=(?P<ip>[^)]*))?\){_COLOUR} ?")
+_WORKER_DIED = "A worker died or was killed"
+# A worker's traceback, as Ray Train logs it ("Error in training function:" and Python's lines) or
+# as Python prints it: kept in the log file; the controller says on the console what failed.
+_TRACEBACK_START = ("Error in training function:", "Traceback (most recent call last):")
+_TRACEBACK_BODY = re.compile(r"^(?:\s|Traceback \(most recent call last\):|During handling of the above"
+                             r"|The above exception was the direct cause|$)")
 # Ray Train's and Ray's own actors: what they print is Ray's business, kept in the log file.
 RAY_INTERNAL_SOURCES = ("PreemptionWatcher", "PlacementGroupCleaner", "SynchronizationActor",
                         "_AutoscalingCoordinatorActor", "DatasetManager", "LighthouseServerActor")
@@ -35,7 +50,8 @@ RAY_INTERNAL_SOURCES = ("PreemptionWatcher", "PlacementGroupCleaner", "Synchroni
 THIRD_PARTY_PACKAGES = ("ray", "mlflow", "torch", "pydantic", "google", "opentelemetry")
 # Lines of the driver's own Ray and MLflow logs that say nothing the user can act on (the last two:
 # MLflow's registry printing what the run's summary says again).
-NOISE = ("Failed to query Ray Train Controller actor state", "Successfully registered model '", "Created version '")
+NOISE = ("Failed to query Ray Train Controller actor state", "Successfully registered model '", "Created version '",
+         "already exists. Creating a new version of this model")
 # This project's own warnings, which the Train controller writes to its stderr (training/tracking,
 # training/observe), each starting with its topic: the user's to act on, so shown.
 OWN_WARNINGS = tuple(topics.line(topic, "") for topic in TOPICS)
@@ -57,7 +73,13 @@ class Routed:
 
 
 class ConsoleRouter:
-    """Where a line goes, and how it reads there (pure)."""
+    """Where a line goes, and how it reads there. Lines come one at a time from stdout and stderr."""
+
+    RECENT = 8  # lines each worker process showed lately: one printed again is not shown twice
+
+    def __init__(self):
+        self._in_traceback: set[str] = set()  # processes ("pid=N") in the middle of a traceback
+        self._recent: dict[str, deque] = {}
 
     def route(self, line: str, is_err: bool = False) -> Routed:
         """`is_err`: the line came on stderr (Ray forwards a process's stderr to the driver's)."""
@@ -67,16 +89,48 @@ class ConsoleRouter:
             if source == "TrainController":
                 # Its stdout is this run's progress lines (training/tracking/callback.py), shown as the
                 # run's own; its stderr is Ray Train's logging, but for this project's own warnings.
-                text = line[match.end():]
+                text = _ANSI.sub("", line[match.end():])
                 if not is_err or text.startswith(OWN_WARNINGS):
                     return Routed(Place.CONSOLE, text)
                 return Routed(Place.LOG, line)
             if source in RAY_INTERNAL_SOURCES or any(noise in line for noise in NOISE):
                 return Routed(Place.LOG, line)
-            return Routed(Place.CONSOLE, line)  # a worker's own output (a plug-in's print, a traceback)
+            return self._worker_line(match.group("pid"), _ANSI.sub("", line), _ANSI.sub("", line[match.end():]))
+        raylet = _RAYLET_PREFIX.match(line)
+        if raylet and _WORKER_DIED in line:
+            return Routed(Place.CONSOLE, worker_died_line(_ANSI.sub("", line[raylet.end():]), raylet.group("ip")))
         if any(noise in line for noise in NOISE) or _LIBRARY_RECORD.match(line):
             return Routed(Place.LOG, line)
+        return Routed(Place.CONSOLE, _ANSI.sub("", line))
+
+    def _worker_line(self, process: str, line: str, text: str) -> Routed:
+        """A worker's own output (a plug-in's print, this project's lines): shown once (Ray Train's
+        print on a worker goes both to stdout and to its logger, which Ray forwards on stderr); its
+        tracebacks to the log file."""
+        if process in self._in_traceback:
+            if _TRACEBACK_BODY.match(text):
+                return Routed(Place.LOG, line)
+            self._in_traceback.discard(process)  # the exception's own line ends it
+            return Routed(Place.LOG, line)
+        if not text.strip():  # (the blank line that ends a logged traceback, among others)
+            return Routed(Place.LOG, line)
+        if text.startswith(_TRACEBACK_START):
+            self._in_traceback.add(process)
+            return Routed(Place.LOG, line)
+        recent = self._recent.setdefault(process, deque(maxlen=self.RECENT))
+        if text in recent:
+            return Routed(Place.LOG, line)
+        recent.append(text)
         return Routed(Place.CONSOLE, line)
+
+
+def worker_died_line(text: str, ip: str | None = None) -> str:
+    """The raylet's long "A worker died or was killed ..." as one short line."""
+    found = {key: re.search(rf"Worker {key}: (\S+)", text) for key in ("PID", "IP address", "exit type")}
+    pid, address, exit_type = (m.group(1) if m else None for m in found.values())
+    where = f" on {address or ip}" if (address or ip) else ""
+    how = f" ({exit_type})" if exit_type else ""
+    return f"a worker process{f' (pid {pid})' if pid else ''}{where} died{how}; its message is in the run's log"
 
 
 def warning_place(filename: str) -> Place:
@@ -89,9 +143,13 @@ def warning_place(filename: str) -> Place:
     return Place.CONSOLE
 
 
+def worker_count(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
+
+
 def opening_line(name: str, config_path: str, workers, storage_dir: str, tracking_uri: Optional[str]) -> str:
-    count = workers if isinstance(workers, int) else f"{workers[0]}-{workers[1]}"
-    return redact(f"run {name} | config {config_path} | {count} workers | storage {storage_dir} | "
+    count = worker_count(workers) if isinstance(workers, int) else f"{workers[0]}-{workers[1]} workers"
+    return redact(f"run {name} | config {config_path} | {count} | storage {storage_dir} | "
                   f"MLflow {tracking_uri or 'off'}")
 
 
@@ -163,7 +221,7 @@ class _RoutedStream(io.TextIOBase):
 
     def _emit(self, line: str) -> None:
         routed = self.router.route(line, self.is_err)
-        self.log.write(line + "\n")
+        self.log.write(_ANSI.sub("", line) + "\n")
         if routed.place is Place.CONSOLE:
             self.console.write(routed.text + "\n")
 
@@ -182,9 +240,10 @@ class _RoutedStream(io.TextIOBase):
 
 
 @contextmanager
-def console_log(log: RunLog, router: ConsoleRouter = ConsoleRouter()) -> Iterator[RunLog]:
+def console_log(log: RunLog, router: Optional[ConsoleRouter] = None) -> Iterator[RunLog]:
     """For the `with` block: stdout and stderr routed (everything also into the run's log), warnings
     raised inside third-party packages into the log only."""
+    router = router or ConsoleRouter()
     old_out, old_err, old_show = sys.stdout, sys.stderr, warnings.showwarning
     sys.stdout = _RoutedStream(old_out, log, router, is_err=False)
     sys.stderr = _RoutedStream(old_err, log, router, is_err=True)

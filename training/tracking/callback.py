@@ -16,6 +16,7 @@ import ray.train
 
 from training.adaptors.ray_private import controller_callback_base
 from training.observe.system import mlflow_rows
+from training.run.console import worker_count
 from training.tracking.tracker import NullTracker
 
 _SKIP = {"step", "total_steps"}
@@ -42,16 +43,24 @@ def progress_line(metrics: dict, eta_s: float | None) -> str:
         if key in metrics:
             parts.append(fmt.format(metrics[key]))
     parts.append(f"{metrics['samples_per_s']:.0f} samples/s")
-    parts.append(f"{int(metrics['world_size'])} workers")
+    parts.append(worker_count(int(metrics["world_size"])))
     if eta_s is not None:
         parts.append(f"ETA {datetime.timedelta(seconds=round(eta_s))}")
     return " | ".join(parts)
+
+
+def failure_line(worker_exceptions: dict, checkpoint_step: int | None) -> str:
+    """The console's one line on a worker group's failure (the tracebacks are in the run's log)."""
+    ranks = ", ".join(f"rank {rank}: {type(exc).__name__}" for rank, exc in sorted(worker_exceptions.items()))
+    where = f"step {checkpoint_step}" if checkpoint_step is not None else "its latest checkpoint"
+    return f"worker failure ({ranks}); the group restarts from {where} if the failure budget allows"
 
 
 class RunCallback(ray.train.UserCallback):
     def __init__(self, tracker=None, logged_through_step: int = -1):
         self.tracker = tracker or NullTracker()
         self._last: tuple[float, int] | None = None
+        self.checkpoint_step: int | None = None  # the newest checkpoint's: where a restarted group resumes
         # Steps redone after a restart were logged already: MLflow gets each step once.
         self.logged_through_step = logged_through_step
 
@@ -76,15 +85,14 @@ class RunCallback(ray.train.UserCallback):
             self.tracker.log_metrics(values, step, timestamp_s)
         if checkpoint is not None:
             self.tracker.on_checkpoint()
+            self.checkpoint_step = step
         line = progress_line(latest, eta)
         if checkpoint is not None:
             line += " | checkpoint saved"
         print(line, flush=True)
 
     def after_exception(self, run_context, worker_exceptions) -> None:
-        ranks = ", ".join(f"rank {rank}: {type(exc).__name__}" for rank, exc in sorted(worker_exceptions.items()))
-        print(f"worker failure ({ranks}); Ray Train restarts from the latest checkpoint if the failure "
-              "budget allows", flush=True)
+        print(failure_line(worker_exceptions, self.checkpoint_step), flush=True)
         self._last = None
 
 
