@@ -75,6 +75,15 @@ class Laptop:
     def in_repository(self, path: Path) -> bool:
         return self.repo_root is not None and path.is_relative_to(self.repo_root.resolve())
 
+    def may_be_in_repository(self, local: str) -> bool:
+        """Whether a file_mounts source could be a file of the repository: a relative one is read
+        from wherever `ray up` runs, which the shipped configs say is the repository's root, so it
+        is taken from there as well as from here (whether or not the file exists yet)."""
+        local = str(local)
+        relative = not (local.startswith("~") or Path(local).is_absolute())
+        places = [self.path(local)] + ([(self.repo_root / local).resolve()] if relative and self.repo_root else [])
+        return any(self.in_repository(place) for place in places)
+
 
 # --- reading a prepared config ------------------------------------------------------------
 

@@ -225,9 +225,9 @@ def auth_token(config: dict, laptop: Laptop) -> CheckResult:
     local = _mounted_from(config, TOKEN_REMOTE)
     if local is None:
         return failed("auth_token", f"the token is not shipped: add file_mounts `{TOKEN_REMOTE}: {TOKEN_REMOTE}`")
-    if laptop.in_repository(laptop.path(local)):
-        return failed("auth_token", f"the token file {laptop.path(local)} is inside the repository: "
-                      f"keep it in {TOKEN_REMOTE}")
+    if laptop.may_be_in_repository(local):
+        return failed("auth_token", f"the token file {local} is inside the repository (where `ray up` runs), "
+                      f"to be shipped with it or committed: keep it in {TOKEN_REMOTE}")
     return passed("auth_token", "RAY_AUTH_MODE=token in every command that runs `ray start`; "
                   f"token shipped from {local}")
 

@@ -214,3 +214,27 @@ def test_laptop_files_are_facts_a_test_can_fake():
     assert mlflow_auth(prepared, private).status is Status.PASS
     inside = Laptop(Path("/home/me"), repo_root=Path("/home/me"), file_mode=lambda path: 0o600)
     assert auth_token(prepared, inside).status is Status.FAIL and mlflow_auth(prepared, inside).status is Status.FAIL
+
+
+@pytest.mark.parametrize("source", ["./secrets/auth_token", "secrets/auth_token"])
+def test_a_token_mounted_from_inside_the_repository_fails_before_the_file_exists(tmp_path, monkeypatch, source):
+    """`ray up` runs from the repository's root: a relative token source is a file of the repository
+    (shipped with it, or committed), wherever validate runs and whether or not the file is there yet."""
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    config = copy.deepcopy(load_cluster_yaml(CLUSTER_YAML))
+    config["file_mounts"]["~/.ray/auth_token"] = source
+    path = repo / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = laptop(tmp_path)
+    for cwd in (repo, tmp_path / "elsewhere"):
+        cwd.mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        results = {result.name: result for result in validate_cluster(path, env=env, live=False)}
+        assert not (repo / "secrets").exists()
+        assert results["auth_token"].status is Status.FAIL, (cwd, results["auth_token"].line())
+        assert "inside the repository" in results["auth_token"].message
+    monkeypatch.chdir(tmp_path)
+    config["file_mounts"]["~/.ray/auth_token"] = "~/.ray/auth_token"  # the shipped way: outside it
+    path.write_text(yaml.safe_dump(config))
+    assert {r.name: r for r in validate_cluster(path, env=env, live=False)}["auth_token"].status is Status.PASS
