@@ -230,9 +230,10 @@ def read_meta(fs: pafs.FileSystem, directory: str) -> Optional[dict]:
     """A checkpoint's meta.json, or None if it is not there (yet) or cut short."""
     try:
         with fs.open_input_stream(f"{directory}/{META_FILE}") as stream:
-            return json.loads(stream.read())
+            meta = json.loads(stream.read())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None  # (JSON, but not a meta.json this service wrote)
 
 
 def metrics_of(fs: pafs.FileSystem, directory: str) -> dict:
@@ -245,12 +246,12 @@ def is_complete(fs: pafs.FileSystem, directory: str) -> bool:
     """A checkpoint is complete when meta.json is there and every file it records (state.pt, or
     each shard of a sharded checkpoint) has the size it records."""
     meta = read_meta(fs, directory)
-    if meta is None:
+    if meta is None or meta.get("format_version") != FORMAT_VERSION:
         return False
-    if meta.get("format_version") != FORMAT_VERSION:
-        return False
-    expected = meta["files"] if meta.get("layout") == "sharded" else {STATE_FILE: meta.get("state_bytes")}
-    if not expected:
+    expected = meta.get("files") if meta.get("layout") == "sharded" else {STATE_FILE: meta.get("state_bytes")}
+    # A meta.json of the wrong shape (edited, or not this service's) marks nothing complete: resume passes it by.
+    if not isinstance(expected, dict) or not expected or not all(
+            isinstance(name, str) and type(size) is int for name, size in expected.items()):
         return False
     found = fs.get_file_info([f"{directory}/{name}" for name in expected])
     return all(info.type == pafs.FileType.File and info.size == size for info, size in zip(found, expected.values()))

@@ -30,8 +30,8 @@ class DriverStatus:
         now = clock()
         self.record = {"name": name, "state": "running", "started": now, "heartbeat": now,
                        "heartbeat_every_s": heartbeat_every_s, "host": socket.gethostname(), "pid": os.getpid(),
-                       "attempt": int(earlier.get("attempt", 0)) + 1,
-                       "first_started": earlier.get("first_started", now), "error": None, "ended": None,
+                       "attempt": (earlier.get("attempt") or 0) + 1,
+                       "first_started": earlier.get("first_started") or now, "error": None, "ended": None,
                        "mlflow_run_id": earlier.get("mlflow_run_id"), "mlflow_url": earlier.get("mlflow_url"),
                        "tracking_uri": earlier.get("tracking_uri")}
         self._lock = threading.Lock()
