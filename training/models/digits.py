@@ -4,23 +4,25 @@ training/models/digits_nn.py."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from training.errors import UserError
-from training.models.family import ModelFamily, ModelSection
+from training.models.family import MAX_LAYERS, MAX_WIDTH, ModelFamily, ModelSection
 from training.schema import Section
 from training.tasks import CLASSIFICATION
 
+Width = Annotated[int, Field(ge=1, le=MAX_WIDTH)]  # (a layer's size: torch refuses 0 and below at the build)
+
 
 class MLPOptions(Section):
-    hidden: list[int] = Field(default_factory=lambda: [128, 64], min_length=1)
+    hidden: list[Width] = Field(default_factory=lambda: [128, 64], min_length=1, max_length=MAX_LAYERS)
     dropout: float = Field(0.1, ge=0, lt=1)
 
 
 class CNNOptions(Section):
-    channels: list[int] = Field(default_factory=lambda: [16, 32], min_length=1, max_length=3)
+    channels: list[Width] = Field(default_factory=lambda: [16, 32], min_length=1, max_length=3)
     dropout: float = Field(0.1, ge=0, lt=1)
 
 

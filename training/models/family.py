@@ -21,7 +21,31 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from training.errors import UserError
 from training.schema import OptionsSection
+
+# Sizes of a built-in family's options, far beyond real use (the largest open models have ~128
+# layers, a width of ~16k and ~128 heads): a bigger one is a typo, and building it even on the meta
+# device (the driver's check) would take hours.
+MAX_LAYERS = 1024
+MAX_WIDTH = 65536
+MAX_HEADS = 1024
+
+# The most a model's head or table is built for, from the data (any family, plug-ins too): the
+# meta-device check allocates nothing, so a head of 2^40 classes would pass it and fail every worker.
+MAX_SPEC = {"num_classes": 10_000_000, "vocab_size": 10_000_000, "seq_len": 1_048_576}
+_SPEC_SOURCE = {"num_classes": "the largest label + 1, or data.options.num_classes",
+                "vocab_size": "the largest token id + 1, or data.options.vocab_size",
+                "seq_len": "data.options.seq_len, or the width of the token rows"}
+
+
+def check_spec(spec: dict) -> None:
+    """UserError if the data asks for a model too large to be meant (MAX_SPEC)."""
+    for key, most in MAX_SPEC.items():
+        value = spec.get(key)
+        if isinstance(value, int) and value > most:
+            raise UserError(f"the data needs a model with {key} {value:,} ({_SPEC_SOURCE[key]}); a model is "
+                            f"built for at most {most:,}")
 
 
 class ModelSection(OptionsSection):

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from training.models.family import ModelFamily, ModelSection
+from training.models.family import MAX_HEADS, MAX_LAYERS, MAX_WIDTH, ModelFamily, ModelSection
 from training.schema import Section
 from training.tasks import LANGUAGE_MODEL
 
@@ -23,9 +23,9 @@ PRESETS: dict[str, dict[str, int]] = {
 
 class GPTOptions(Section):
     preset: Optional[Literal["tiny", "small", "base"]] = None
-    n_layer: int = Field(2, ge=1)
-    n_head: int = Field(4, ge=1)
-    d_model: int = Field(128, ge=8)
+    n_layer: int = Field(2, ge=1, le=MAX_LAYERS)
+    n_head: int = Field(4, ge=1, le=MAX_HEADS)
+    d_model: int = Field(128, ge=8, le=MAX_WIDTH)
     dropout: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="before")

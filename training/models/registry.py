@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from training.errors import UserError
 from training.models import digits, gpt, plugin
-from training.models.family import ModelFamily, ModelSection
+from training.models.family import ModelFamily, ModelSection, check_spec
 from training.registry import Registry
 
 MODELS: Registry[ModelFamily] = Registry("model", "name", "model", [
@@ -37,5 +37,7 @@ def check_fits_task(section: ModelSection, task: str) -> None:
 
 
 def build_model(section: ModelSection, spec: dict):
-    """The section's model for data described by `spec` (the task's keys; see family.py)."""
+    """The section's model for data described by `spec` (the task's keys; see family.py); UserError
+    if the data asks for a model of absurd size (family.MAX_SPEC)."""
+    check_spec(spec)
     return family_of(section.name).build(section, spec)
