@@ -53,6 +53,86 @@ def test_ray_train_report_logger_is_found_and_quieted():
     assert logging.getLogger(context.__file__).level == logging.WARNING
 
 
+def test_ray_train_fit_hands_its_failure_policy_to_the_controller_where_it_is_wrapped():
+    """training/run/fit.py's trainer swaps the `failure_policy` that DataParallelTrainer.fit builds
+    and passes to `_initialize_and_run_controller`, which the controller then asks; a FailurePolicy
+    is its one method, `make_decision(training_failed_error)`."""
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+    from ray.train.v2._internal.execution.failure_handling import FailurePolicy
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    assert "failure_policy=create_failure_policy(" in inspect.getsource(DataParallelTrainer.fit)
+    assert "**controller_init_kwargs" in str(inspect.signature(DataParallelTrainer._initialize_and_run_controller))
+    assert "failure_policy" in inspect.signature(TrainController.__init__).parameters
+    assert FailurePolicy.__abstractmethods__ == {"make_decision"}
+    assert list(inspect.signature(FailurePolicy.make_decision).parameters) == ["self", "training_failed_error"]
+    trainer = ray_private.torch_trainer_class()
+    assert issubclass(trainer, DataParallelTrainer) and "_initialize_and_run_controller" in vars(trainer)
+
+
+def failure_policy(max_failures: int, clock=None, placement_timeout_s: float = 600.0):
+    import ray.train
+    from ray.train.v2._internal.execution.failure_handling import create_failure_policy
+
+    from training.errors import DataError
+
+    inner = create_failure_policy(ray.train.FailureConfig(max_failures=max_failures))
+    return ray_private.BoundedFailurePolicy(inner, (DataError,), placement_timeout_s,
+                                            **({"clock": clock} if clock else {}))
+
+
+def test_a_worker_data_error_is_raised_at_once_whatever_the_failure_budget():
+    """A worker's exception reaches the policy as Ray Train's poll hands it over (unwrapped from its
+    UserExceptionWithTraceback); a DataError among them, or one another error was raised from,
+    ends the run at once; anything else is Ray Train's to retry."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+
+    from training.errors import DataError
+
+    def group_error(*errors):
+        statuses = {rank: WorkerStatus(running=False, error=UserExceptionWithTraceback(e, f"Traceback: {e}"))
+                    for rank, e in enumerate(errors)}
+        return WorkerGroupPollStatus(statuses).get_worker_group_error()
+
+    gone = DataError("/data/part-0.parquet is gone: deleted or moved during the run")
+    policy = failure_policy(max_failures=-1)
+    failure = group_error(RuntimeError("gloo: connection reset"), gone)
+    assert ray_private.worker_failures(failure)[1] is gone
+    assert policy.make_decision(failure) is FailureDecision.RAISE
+    wrapped = RuntimeError("while reading")
+    wrapped.__cause__ = gone
+    assert policy.make_decision(group_error(wrapped)) is FailureDecision.RAISE
+    task_error = RayTaskError("read", "Traceback ...", gone)
+    assert ray_private.caused_by(task_error, (DataError,)) is not None
+    assert policy.make_decision(group_error(RuntimeError("worker died"))) is FailureDecision.RETRY
+    assert failure_policy(max_failures=0).make_decision(group_error(RuntimeError("x"))) is FailureDecision.RAISE
+
+
+def test_an_unplaceable_worker_group_is_retried_until_the_placement_timeout():
+    """Ray Train retries a group whose placement group is not placed in time without end
+    (controller_failure_limit -1); the policy ends it once unplaceable for placement_timeout_s in a
+    row, counted again after any other failure."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    now = [0.0]
+    policy = failure_policy(max_failures=-1, clock=lambda: now[0], placement_timeout_s=150)
+    unplaceable = ControllerError(WorkerGroupStartupTimeoutError(num_workers=3))
+    assert ray_private.unplaceable_workers(unplaceable) == 3
+    assert ray_private.unplaceable_workers(ControllerError(RuntimeError("x"))) is None
+    for now[0] in (60, 120):
+        assert policy.make_decision(unplaceable) is FailureDecision.RETRY
+    assert policy.make_decision(WorkerGroupError("died", {0: RuntimeError("x")})) is FailureDecision.RETRY
+    for now[0] in (180, 240, 300):
+        assert policy.make_decision(unplaceable) is FailureDecision.RETRY
+    now[0] = 330
+    assert policy.make_decision(unplaceable) is FailureDecision.RAISE
+
+
 def test_ray_recorded_address_helpers_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # a private /tmp/ray: nothing recorded there
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

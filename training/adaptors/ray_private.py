@@ -7,12 +7,14 @@ lazily: importing this module costs nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 NIL_ACTOR = "f" * 32
 
@@ -145,3 +147,89 @@ def controller_state_name(state) -> str:
     """The name of a Ray Train controller state (`TrainControllerStateType`: RUNNING, RESTARTING,
     PREEMPTING, ...) as `ControllerCallback.after_controller_state_update` receives it."""
     return state._state_type.name
+
+
+def worker_failures(error: BaseException) -> list[BaseException]:
+    """The exceptions the workers failed with, when `error` is Ray Train's `WorkerGroupError` (as
+    `fit` raises it, and as the controller's failure policy receives it); else none. Ray Train hands
+    each worker's own exception over (unwrapped from its `UserExceptionWithTraceback`)."""
+    return list((getattr(error, "worker_failures", None) or {}).values())
+
+
+def caused_by(error: BaseException, kinds: tuple[type, ...]) -> Optional[BaseException]:
+    """The first exception of `kinds` in `error` or in what it wraps (the cause a worker's error was
+    raised from, a Ray task error's cause, Ray Train's wrapper of a worker's exception); else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = (getattr(error, "_base_exc", None) or getattr(error, "cause", None)
+                 or getattr(error, "health_check_failure", None) or error.__cause__)
+    return None
+
+
+def unplaceable_workers(error: BaseException) -> Optional[int]:
+    """How many workers Ray Train's controller could not place, when it failed to start a worker
+    group because its placement group was not placed within Ray Train's wait
+    (`WorkerGroupStartupTimeoutError`, in a `ControllerError`); else None."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError  # (lazy: ray.train)
+
+    failure = getattr(error, "controller_failure", None)
+    return failure.num_workers if isinstance(failure, WorkerGroupStartupTimeoutError) else None
+
+
+class BoundedFailurePolicy:
+    """Ray Train's own failure policy (the one its `fit` builds from the FailureConfig), with two
+    rules before it, decided on the Train controller:
+
+    - a worker failure caused by one of `final` (a deterministic data error: a restart reads the
+      same file and fails the same way) ends the run at once, whatever `max_failures` allows;
+    - a worker group that cannot be placed (Ray Train waits for its placement group a minute at a
+      time and, with `controller_failure_limit` -1, tries again for ever) ends the run once it has
+      been unplaceable for `placement_timeout_s` in a row.
+
+    Ray Train's `FailurePolicy` interface is its one method, `make_decision`; the controller calls
+    nothing else. `clock` is injected (monotonic seconds)."""
+
+    def __init__(self, inner, final: tuple[type, ...], placement_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.inner, self.final, self.placement_timeout_s, self.clock = inner, final, placement_timeout_s, clock
+        self.failure_config = inner.failure_config
+        self.unplaceable_since: Optional[float] = None
+
+    def make_decision(self, training_failed_error):
+        from ray.train.v2._internal.execution.failure_handling import FailureDecision  # (lazy: ray.train)
+
+        if any(caused_by(failure, self.final) for failure in worker_failures(training_failed_error)):
+            return FailureDecision.RAISE
+        if unplaceable_workers(training_failed_error) is not None:
+            now = self.clock()
+            if self.unplaceable_since is None:
+                self.unplaceable_since = now
+            if now - self.unplaceable_since >= self.placement_timeout_s:
+                return FailureDecision.RAISE
+        else:
+            self.unplaceable_since = None  # any other outcome: a group was placed since, or it failed otherwise
+        return self.inner.make_decision(training_failed_error)
+
+
+@functools.cache
+def torch_trainer_class() -> type:
+    """Ray Train's TorchTrainer, whose controller decides failures by a `BoundedFailurePolicy`
+    around the policy Ray Train builds (`DataParallelTrainer.fit` passes it to
+    `_initialize_and_run_controller` as `failure_policy`). Give it `final_errors` and
+    `placement_timeout_s` as keyword arguments."""
+    from ray.train.torch import TorchTrainer  # (lazy: ray.train, torch)
+
+    class BoundedTorchTrainer(TorchTrainer):
+        def __init__(self, *args, final_errors: tuple[type, ...], placement_timeout_s: float, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.final_errors, self.placement_timeout_s = final_errors, placement_timeout_s
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["failure_policy"] = BoundedFailurePolicy(
+                controller_init_kwargs["failure_policy"], self.final_errors, self.placement_timeout_s)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return BoundedTorchTrainer

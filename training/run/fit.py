@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from training.adaptors.ray_private import caused_by, torch_trainer_class, unplaceable_workers, worker_failures
 from training.config import JobConfig
-from training.errors import RunFailed, last_line
+from training.errors import DataError, RunFailed, first_line, last_line
 from training.failure.registry import FAILURE_MODES
 from training.run.paths import RunPaths
 from training.run.resources import WorkerResources
@@ -18,7 +19,6 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
     """Run Ray Train to the end (in the Ray session the caller holds); its Result. RunFailed when the
     run fails beyond its failure budget."""
     import ray.train  # (Ray and torch: the run's, once its checks have passed)
-    from ray.train.torch import TorchTrainer  # (lazy: ray.train)
 
     from training.tracking.callback import run_callbacks  # (lazy: ray.train)
     from training.worker.loop import train_loop_per_worker  # (lazy: ray.train, torch)
@@ -39,12 +39,37 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
         callbacks=[*run_callbacks(tracker, tracker.last_step("train_loss")), *callbacks],
         logging_config=ray.train.LoggingConfig(log_level="WARNING"))
     torch_config = FAILURE_MODES[job.failure.mode].torch_config(workers.use_gpu)
-    trainer = TorchTrainer(train_loop_per_worker,
-                           # (the workers never post: no webhook URL travels to them, nor into a checkpoint)
-                           train_loop_config=WorkerConfig.of(job, manifest_root, paths.run_dir, initial_checkpoint),
-                           scaling_config=scaling, run_config=run_config,
-                           **({"torch_config": torch_config} if torch_config is not None else {}))
+    # A deterministic data error (a file gone, changed or corrupt) ends the run at once: a restart would
+    # read the same data and fail the same way, max_failures times (for ever with -1).
+    # A worker group that cannot be placed fails the run after failure.placement_timeout_s.
+    trainer = torch_trainer_class()(
+        train_loop_per_worker, final_errors=(DataError,), placement_timeout_s=job.failure.placement_timeout_s,
+        # (the workers never post: no webhook URL travels to them, nor into a checkpoint)
+        train_loop_config=WorkerConfig.of(job, manifest_root, paths.run_dir, initial_checkpoint),
+        scaling_config=scaling, run_config=run_config,
+        **({"torch_config": torch_config} if torch_config is not None else {}))
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as exc:
-        raise RunFailed(f"training run {job.name} failed: {last_line(exc)}") from exc
+        raise RunFailed(f"training run {job.name} failed: {failure_line(exc, job, workers)}") from exc
+
+
+def failure_line(exc: BaseException, job: JobConfig, workers: WorkerResources) -> str:
+    """What ended a failed run, in one line: a worker's data error as it was raised, a worker group
+    that could not be placed with what the cluster has, else the last line of Ray Train's error."""
+    data_error = next(filter(None, (caused_by(failure, (DataError,)) for failure in worker_failures(exc))), None)
+    if data_error is not None:
+        return first_line(data_error, 1000)
+    count = unplaceable_workers(exc)
+    if count is not None:
+        import ray  # (lazy: ray)
+
+        return (f"cannot place {count} workers with {_resources(workers.per_worker)} each within "
+                f"failure.placement_timeout_s {job.failure.placement_timeout_s:g} s: the cluster has "
+                f"{_resources(ray.cluster_resources(), workers.per_worker)} ("
+                f"{_resources(ray.available_resources(), workers.per_worker)} free)")
+    return last_line(exc)
+
+
+def _resources(amounts: dict[str, float], only: Optional[dict] = None) -> str:
+    return ", ".join(f"{amounts.get(name, 0):g} {name}" for name in (only or amounts))
