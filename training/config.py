@@ -169,6 +169,9 @@ class FailureConfig(Section):
     max_failures: int = Field(3, ge=-1)
     # Spot preemptions have their own budget; -1 is unlimited.
     max_preemption_failures: int = Field(-1, ge=-1)
+    # A worker group that cannot be placed (too few free CPUs, GPUs or resources) this long in a row
+    # fails the run; long enough for an autoscaler to bring nodes up.
+    placement_timeout_s: float = Field(600.0, gt=0)
 
 
 class CheckpointConfig(Section):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from training import storage
+from training.data.registry import source_of
 from training.errors import UserError, first_line
 from training.observe import notify
 from training.observe.notify import mlflow_run_url, sweep_message
@@ -61,12 +62,15 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
     if state is not None:
         state.check_resumable(sweep.identity(), "sweep", "the original sweep file")
     paths = resolve_paths(sweep.base, sweep.name)
+    plan = source_of(sweep.base.data.source).plan(sweep.base.data, paths.data_cache)
+    # (what the config alone reveals, the sweep's metric included: before anything is prepared)
+    preflight.config_checks(sweep.base, plan, metrics=(("metric", sweep.config.metric),))
 
     def check(task: str, spec: dict, rows: dict) -> None:
         preflight.check_metric("metric", sweep.config.metric, task)
         preflight.check_storage(paths)
 
-    manifest = preflight.prepare_checked(sweep.base.data, paths, check, log)
+    manifest = preflight.prepare_checked(sweep.base.data, paths, check, log, plan)
     from tuning import report  # (lazy: ray.train, torch)
 
     check_cluster_to_join()  # (a RAY_ADDRESS where nothing answers: refused before the parent run exists)

@@ -29,6 +29,7 @@ class DigitsData(DataSection):
 class Digits(TableSource):
     name = "digits"
     Config = DigitsData
+    task = CLASSIFICATION.name
 
     def load(self, section: DigitsData) -> SourceData:
         from sklearn.datasets import load_digits  # (scikit-learn: only when the data is prepared)

@@ -81,6 +81,13 @@ class SplitRows(Protocol):
 class DataPlan(Protocol):
     """A source's input, listed and checked: what the driver prepares."""
 
+    # What the config alone says of the data, checked before anything is prepared: its task
+    # (training/tasks.py; None when only the loaded data says, as a plug-in's tables), and the
+    # partitions the streaming loader draws every batch from (data.options.partitions; None when
+    # the data is not streamed).
+    task: Optional[str]
+    batch_partitions: Optional[int]
+
     def check_unchanged(self, recorded_root: Optional[str]) -> None: ...
 
     def wants_cluster(self) -> bool: ...
@@ -106,6 +113,9 @@ class DataSource(Protocol):
 
 
 def validation_part(rows: SplitRows, world_size: int, rank: int) -> dict[str, np.ndarray]:
-    """This rank's contiguous part of a split (every rank scores its part; the sums are added)."""
+    """This rank's contiguous part of a split (every rank scores its part; the sums are added). A
+    split of fewer rows than ranks leaves some ranks none: their part is the columns with no rows."""
     lo, hi = part_bounds(rows.num_rows, world_size, rank)
+    if lo == hi:
+        return {name: column[:0] for name, column in rows.take(np.arange(min(1, rows.num_rows))).items()}
     return rows.take(np.arange(lo, hi))

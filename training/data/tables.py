@@ -45,6 +45,14 @@ class TablePlan:
     section: DataSection
     cache_root: str
 
+    @property
+    def task(self) -> Optional[str]:
+        return self.source.task
+
+    @property
+    def batch_partitions(self) -> None:
+        return None
+
     def check_unchanged(self, recorded_root: Optional[str]) -> None:
         """(Content that changed gives another dataset key: a resumed run prepares it anew.)"""
 
@@ -77,6 +85,7 @@ class TableSource:
 
     name: str
     Config: type[DataSection]
+    task: Optional[str] = None  # the task of every table it loads, when it is always the same
 
     def load(self, section: DataSection) -> SourceData:
         raise NotImplementedError

@@ -45,6 +45,7 @@ def stdlib_source_files() -> list[Path]:
 class TinyLM(TableSource):
     name = "tinylm"
     Config = TinyLMData
+    task = LANGUAGE_MODEL.name
 
     def load(self, section: TinyLMData) -> SourceData:
         options = section.options

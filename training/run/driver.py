@@ -79,10 +79,11 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     # The data is planned once: its input listed and checked (paths, options, tokenizer or function,
     # splits), without Ray; a resumed run's, against what it started on.
     plan = source_of(job.data.source).plan(job.data, paths.data_cache)
+    preflight.config_checks(job, plan)  # (what the config alone reveals: before anything is prepared)
     if record is not None and record.dataset:
         plan.check_unchanged(record.dataset.get("root"))
     largest = maximum_resources()  # None: no launcher config on this machine
-    checks = preflight.job_checks(job, paths)
+    checks = preflight.job_checks(job, paths, getattr(plan, "batch_partitions", None))
     # What is prepared on the cluster is prepared inside the Ray session the fit then uses; the
     # job's checks on the data (rows, the model's shapes) run once it is prepared.
     on_cluster = plan.wants_cluster()

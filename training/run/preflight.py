@@ -18,6 +18,7 @@ from training.data.order import BatchPlan
 from training.data.registry import source_of
 from training.data.shards import changed_shard
 from training.data.source import DataCheck, DataPlan, DataSection
+from training.data.stream import RowGroup, steps_per_epoch
 from training.errors import ConfigError, UserError, first_line, one_line
 from training.models.family import ModelSection
 from training.models.registry import build_model, check_fits_task
@@ -51,14 +52,30 @@ def check_shards(manifest) -> None:
                         f"{problem}; remove that directory and run again to prepare it anew")
 
 
-def job_checks(job: JobConfig, paths: RunPaths) -> DataCheck:
-    """The checks of a training run, on its loaded data."""
+def config_checks(job: JobConfig, plan: DataPlan, metrics: tuple[tuple[str, str], ...] = ()) -> None:
+    """What the config alone reveals, checked before any data is prepared or written: the batch
+    against its micro-batches and the loader's partitions; where the config says the data's task
+    (`plan.task`), the model and every validation metric named (`metrics`: (field, metric) pairs
+    beside the run's own, a sweep's) against it."""
+    check_micro_batch(job.train)
+    check_partitions(job.train, getattr(plan, "batch_partitions", None))
+    task = getattr(plan, "task", None)  # (a plan of a plug-in's own may not say)
+    if task is not None:
+        check_fits_task(job.model, task)
+        check_metric_names(job, task)
+        for field, metric in metrics:
+            check_metric(field, metric, task)
+
+
+def job_checks(job: JobConfig, paths: RunPaths, partitions: Optional[int] = None) -> DataCheck:
+    """The checks of a training run, on its loaded data; `partitions`: the streaming loader's
+    (the data plan's `batch_partitions`)."""
 
     def check(task: str, spec: dict, rows: dict) -> None:
         check_fits_task(job.model, task)
         check_model_builds(job.model, task, spec)
         check_metric_names(job, task)
-        check_batch_fits(job.train, rows["train"])
+        check_batch_fits(job.train, rows["train"], partitions)
         check_profile_fits(job.train, rows["train"])
         check_cluster_config(job.tracking.cluster_config)
         check_storage(paths)
@@ -110,12 +127,38 @@ def check_metric_names(job: JobConfig, task: str) -> None:
             check_metric(field, metric, task)
 
 
-def check_batch_fits(train: TrainConfig, train_rows: int) -> None:
-    """At least one global batch per epoch (the workers' own rule, asked here before they start)."""
+def check_batch_fits(train: TrainConfig, train_rows: int, partitions: Optional[int] = None) -> None:
+    """At least one global batch per epoch (the workers' own rule, asked here before they start):
+    of the rows, and, for streamed data, of the smallest of the `partitions` each batch draws from."""
     try:
         BatchPlan(train.global_batch_size, 1, 0).steps_per_epoch(train_rows)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if partitions is not None and streamed_steps_per_epoch(train_rows, partitions, train.global_batch_size) < 1:
+        raise ConfigError(f"data.options.partitions {partitions}: the {train_rows} training rows over {partitions} "
+                          f"partitions leave no whole train.global_batch_size {train.global_batch_size} per epoch "
+                          "(every batch takes its share of each partition); use fewer partitions or a smaller batch")
+
+
+def streamed_steps_per_epoch(train_rows: int, partitions: int, global_batch_size: int) -> int:
+    """The streaming loader's steps per epoch (training.data.stream.steps_per_epoch: it counts only
+    the rows, not how they lie in row groups)."""
+    return steps_per_epoch([RowGroup(0, 0, train_rows)], partitions, global_batch_size)
+
+
+def check_micro_batch(train: TrainConfig) -> None:
+    if train.micro_batch_size is not None and train.micro_batch_size > train.global_batch_size:
+        raise ConfigError(f"train.micro_batch_size {train.micro_batch_size} is larger than train.global_batch_size "
+                          f"{train.global_batch_size}: a micro-batch is a part of one worker's share of a global "
+                          f"batch; make it at most {train.global_batch_size}, or leave it out")
+
+
+def check_partitions(train: TrainConfig, partitions: Optional[int]) -> None:
+    """The workers' own rule, asked before anything is prepared: every partition gives a batch a row."""
+    if partitions is not None and partitions > train.global_batch_size:
+        raise ConfigError(f"data.options.partitions {partitions} is more than train.global_batch_size "
+                          f"{train.global_batch_size}: every partition gives at least one row to each batch; set "
+                          f"data.options.partitions to at most {train.global_batch_size}")
 
 
 def check_profile_fits(train: TrainConfig, train_rows: int) -> None:

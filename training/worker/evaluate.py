@@ -31,7 +31,7 @@ def evaluate(model, task: Task, rows: dict[str, torch.Tensor], batch_size: int, 
              lockstep: bool = False) -> dict:
     model.eval()
     loss_sum = units = correct = 0.0
-    count = next(iter(rows.values())).shape[0]
+    count = next(iter(rows.values())).shape[0] if rows else 0  # (a part of no rows: it adds zeros)
     batches = math.ceil(count / batch_size)
     if lockstep:  # FSDP: every forward all-gathers parameters, so every worker runs as many
         batches = int(max_across_workers(batches, device))
