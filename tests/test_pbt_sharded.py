@@ -9,12 +9,14 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, first_exploit
+from conftest import REPO, first_exploit, wait_for
 from mlflow.tracking import MlflowClient
 
+from training.adaptors import ray_private
 from training.checkpoint import format as ckpt
 from training.models.registry import build_model, model_section
 from tuning import config as sweep_config
+from tuning.resources import TRAIN_CONTROLLER_CLASS
 from tuning.sweep import run_sweep
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -47,6 +49,7 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
 
     summary = run_sweep(sweep_config.load(_sweep_file(workdir), name="pbt"))
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
+    _nothing_left(ray_cluster)
 
     runs = workdir / "runs"
     seed_run, step = first_exploit(runs, MAX_STEPS)
@@ -89,3 +92,18 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{summary.parent_run_id}'")
     assert len(children) == 2  # one child per trial, exploits included
+
+
+def _nothing_left(ray):
+    """The sweep left nothing on the cluster: no Train controller alive, no placement group (Tune's
+    trial groups, the runs' worker groups), every CPU free. (Once, a trial's controller and its
+    worker group outlived the sweep, and the next run waited for placement without end.)"""
+    job_id = ray.get_runtime_context().get_job_id()
+    controllers = [a.actor_id.hex() for a in ray_private.actor_records(job_id)
+                   if a.class_name == TRAIN_CONTROLLER_CLASS and a.state != ray_private.actor_dead_state()]
+    assert controllers == [], f"Train controllers alive after the sweep: {controllers}"
+    groups = [g.placement_group_id.hex() for g in ray_private.placement_groups()
+              if g.creator_job_id.hex() == job_id and g.state != ray_private.placement_group_removed_state()]
+    assert groups == [], f"placement groups left after the sweep: {groups}"
+    wait_for(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"], 30,
+             "every CPU free after the sweep")

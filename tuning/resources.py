@@ -10,6 +10,10 @@ Tune's accounting. Two ways a sweep can hang follow, and both are handled here:
    controller it owns dies with it, but the controller's placement group outlives it (Ray keeps an
    actor-created group until its job ends). Ray Train's own cleaner removes it only while the
    state API answers. `release_orphaned_groups` removes such groups from the GCS table directly.
+3. A trial's controller that outlives its trial would hold its worker group for ever, and the next
+   run on the cluster would wait for placement without end. When Tune returns,
+   `end_sweep_controllers` ends every controller the sweep's trials started that is still alive,
+   and removes every group they made that is left.
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ from typing import Optional
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from training.adaptors.ray_private import NIL_ACTOR, placement_group_removed_state, placement_groups
+from training.adaptors.ray_private import (
+    NIL_ACTOR,
+    actor_dead_state,
+    actor_records,
+    kill_actor_by_id,
+    placement_group_removed_state,
+    placement_groups,
+    trial_actor_id,
+)
 from training.config import JobConfig
 from training.run.resources import WorkerResources
 
 log = logging.getLogger(__name__)
 
+# The class of Ray Train V2's controller actor (`ray.train.v2._internal.execution.controller`).
+TRAIN_CONTROLLER_CLASS = "TrainController"
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,64 @@ def release_orphaned_groups(job_id: str) -> list[str]:
     return released
 
 
+def sweep_controllers(actors: list, trial_actor_ids: set[str]) -> list:
+    """Of `actors` (GCS actor records), the Ray Train controllers that the trials `trial_actor_ids`
+    started: a trial runs its training run's driver in its own Tune actor, so the run's controller
+    is owned by that actor's worker. Nothing else is included (no other sweep's or run's)."""
+    trial_workers = {a.address.worker_id for a in actors if a.actor_id.hex() in trial_actor_ids and a.address.worker_id}
+    return [a for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS and a.owner_address.worker_id in trial_workers]
+
+
+def groups_created_by(groups: list, creators: set[str]) -> list[str]:
+    """Of `groups` (GCS placement group records), those that an actor of `creators` made and that
+    are not removed, whether or not Ray marked their creator dead."""
+    removed = placement_group_removed_state()
+    return [g.placement_group_id.hex() for g in groups
+            if g.creator_actor_id.hex() in creators and not g.is_detached and g.state != removed]
+
+
+@dataclass(frozen=True)
+class EndedControllers:
+    controllers: list[str]  # the sweep's controllers that were still alive, now ended
+    groups: list[str]       # the placement groups those and the sweep's other controllers left, now removed
+
+
+def end_sweep_controllers(job_id: str, trial_actor_ids: set[str], grace_s: float = 5.0,
+                          timeout_s: float = 30.0) -> EndedControllers:
+    """After Tune returned: end every Ray Train controller the sweep's trials started that is still
+    alive `grace_s` later (those of the last trials end with their actors, a moment after them), then
+    remove every placement group the sweep's controllers made that is left."""
+    mine = sweep_controllers(actor_records(job_id), trial_actor_ids)
+    alive = _still_alive(job_id, [a.actor_id.hex() for a in mine], grace_s)
+    for actor_id in alive:
+        try:
+            kill_actor_by_id(actor_id)
+        except Exception as exc:  # it ended meanwhile
+            log.debug("controller %s: %s", actor_id, exc)
+    # (dead first: a group that a controller was still making would be missed)
+    _still_alive(job_id, alive, timeout_s)
+    released = []
+    for group_id in groups_created_by(placement_groups(), {a.actor_id.hex() for a in mine}):
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+            released.append(group_id)
+        except Exception as exc:  # removed meanwhile by Ray Train
+            log.debug("placement group %s: %s", group_id, exc)
+    return EndedControllers(alive, released)
+
+
+def _still_alive(job_id: str, actor_ids: list[str], timeout_s: float) -> list[str]:
+    """Those of `actor_ids` not dead within timeout_s."""
+    dead = actor_dead_state()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {a.actor_id.hex(): a.state for a in actor_records(job_id)} if actor_ids else {}
+        alive = [actor_id for actor_id in actor_ids if states.get(actor_id, dead) != dead]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.2)
+
+
 def _current_job_id() -> str:
     return ray.get_runtime_context().get_job_id()
 
@@ -142,7 +214,15 @@ class ReleaseStoppedTrials(_TuneCallback):
     for the current job when it runs, so that a resumed sweep (Tune unpickles its callbacks) cleans
     up its own job's groups."""
 
-    total_released = 0  # in this driver process, for the summary
+    # In this driver process, for the sweep that runs now (Tune unpickles the callbacks of a resumed
+    # sweep, so the instances it calls are not the one the sweep made): groups released, and the
+    # actor of every trial started (the owners of the sweep's Train controllers).
+    total_released = 0
+    trial_actor_ids: set[str] = set()
+
+    @classmethod
+    def begin_sweep(cls) -> None:
+        cls.total_released, cls.trial_actor_ids = 0, set()
 
     def __init__(self, every_s: float = 1.0):
         self.every_s = every_s
@@ -158,6 +238,11 @@ class ReleaseStoppedTrials(_TuneCallback):
     def on_step_end(self, iteration, trials, **info):
         if time.monotonic() - self._last >= self.every_s:
             self._release()
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        actor_id = trial_actor_id(trial)
+        if actor_id is not None:
+            ReleaseStoppedTrials.trial_actor_ids.add(actor_id)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._release()

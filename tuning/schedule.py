@@ -32,8 +32,10 @@ def tune_config(sweep: Sweep, max_concurrent_trials: int):
     from ray import tune  # (lazy: ray)
 
     cfg = sweep.config
+    # reuse_actors off (Tune's default, which PBT invites changing): a trial runs its training run in
+    # a thread of its actor, and only the actor's end ends the run's Train controller and workers.
     return tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
-                           max_concurrent_trials=max_concurrent_trials,
+                           max_concurrent_trials=max_concurrent_trials, reuse_actors=False,
                            search_alg=_search(sweep, max_concurrent_trials), scheduler=_scheduler(sweep))
 
 

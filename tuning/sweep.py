@@ -157,6 +157,7 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
         trainable = tune.with_resources(tune.with_parameters(train_trial, setup=setup), needs.driver)
         path = sweep_dir(sweep)
         release = resources.ReleaseStoppedTrials()
+        resources.ReleaseStoppedTrials.begin_sweep()
         resumed = tune.Tuner.can_restore(path)
         if resumed:
             log(f"sweep {sweep.name}: resuming from {path}")
@@ -171,6 +172,10 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
                     failure_config=tune.FailureConfig(max_failures=sweep.config.trial.max_failures),
                     checkpoint_config=tune.CheckpointConfig(num_to_keep=None), verbose=1))
         grid = tuner.fit()
-        time.sleep(1.0)  # the last trials' controllers end with their actors
-        released = resources.release_orphaned_groups(ray.get_runtime_context().get_job_id())
-        return grid, len(released) + resources.ReleaseStoppedTrials.total_released, decision.trials, resumed
+        job_id = ray.get_runtime_context().get_job_id()
+        # Tune has ended every trial's actor; a controller still alive would hold its workers for ever.
+        ended = resources.end_sweep_controllers(job_id, resources.ReleaseStoppedTrials.trial_actor_ids)
+        if ended.controllers:
+            log(f"sweep: ended {len(ended.controllers)} Ray Train controller(s) that outlived their trials")
+        released = len(ended.groups) + len(resources.release_orphaned_groups(job_id))
+        return grid, released + resources.ReleaseStoppedTrials.total_released, decision.trials, resumed

@@ -137,6 +137,52 @@ def placement_group_removed_state() -> int:
     return gcs_pb2.PlacementGroupTableData.REMOVED
 
 
+def actor_records(job_id: str) -> list:
+    """Every actor of job `job_id` (hex) in the GCS table, alive or dead, as `gcs_pb2.ActorTableData`:
+    the only view that says which worker runs an actor (`address.worker_id`, kept once it is dead)
+    and which worker owns it (`owner_address.worker_id`: an actor started from a thread of another
+    actor is owned by that actor's worker)."""
+    import ray  # (lazy: ray)
+    from ray._private.state import state  # (lazy: ray)
+    from ray.core.generated import gcs_pb2  # (lazy: ray)
+
+    table = gcs_pb2.ActorTableData
+    accessor = state._connect_and_get_accessor()
+    return [table.FromString(raw) for raw in accessor.get_actor_table(ray.JobID(bytes.fromhex(job_id)), None)]
+
+
+def actor_dead_state() -> int:
+    from ray.core.generated import gcs_pb2  # (lazy: ray)
+
+    return gcs_pb2.ActorTableData.DEAD
+
+
+def trial_actor_id(trial) -> Optional[str]:
+    """The hex id of the actor a Tune trial runs in now (as a Tune callback's `on_trial_start`
+    receives the trial), or None when it has none."""
+    actor = trial.temporary_state.ray_actor
+    return actor._actor_id.hex() if actor is not None else None
+
+
+def kill_actor_by_id(actor_id: str, timeout_s: float = 10.0) -> None:
+    """End an actor at once, not restarted, as `ray.kill` does, for an actor this process holds no
+    handle to (`ray.kill` needs one, and Ray's core worker aborts the process when asked for a handle
+    it never had): the GCS's own kill call, with TLS and token auth as Ray's clients set them up."""
+    import ray  # (lazy: ray)
+    from ray._private.grpc_utils import init_grpc_channel  # (lazy: ray)
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc  # (lazy: ray)
+
+    channel = init_grpc_channel(ray.get_runtime_context().gcs_address)
+    try:
+        reply = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel).KillActorViaGcs(
+            gcs_service_pb2.KillActorViaGcsRequest(actor_id=bytes.fromhex(actor_id), force_kill=True, no_restart=True),
+            timeout=timeout_s)
+    finally:
+        channel.close()
+    if reply.status.code != 0:
+        raise RuntimeError(f"actor {actor_id}: the GCS refused to kill it: {reply.status.message}")
+
+
 def result_grid_trials(grid) -> list:
     """The Tune trials behind a `ResultGrid`, in the grid's order: the only view that gives each
     result its trial id."""
