@@ -164,6 +164,30 @@ def test_ray_placement_group_table_fields(ray_cluster):
 
 
 @pytest.mark.ray
+def test_ray_actor_table_records_and_the_gcs_kill(ray_cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self):
+            return 1
+
+    actor = Idle.remote()
+    ray.get(actor.ping.remote(), timeout=60)
+    actor_id = actor._actor_id.hex()
+    job_id = ray_cluster.get_runtime_context().get_job_id()
+    mine = {r.actor_id.hex(): r for r in ray_private.actor_records(job_id)}[actor_id]
+    # The fields tuning/resources.py reads to find a sweep's left-over Train controllers.
+    for name in ("class_name", "state", "address", "owner_address"):
+        assert hasattr(mine, name), f"ActorTableData.{name} is gone"
+    assert mine.class_name.endswith("Idle") and mine.state != ray_private.actor_dead_state()
+    assert mine.address.worker_id and mine.owner_address.worker_id
+    ray_private.kill_actor_by_id(actor_id)
+    wait_for(lambda: {r.actor_id.hex(): r.state for r in ray_private.actor_records(job_id)}[actor_id]
+             == ray_private.actor_dead_state(), 30, "the killed actor dead in the GCS table")
+
+
+@pytest.mark.ray
 def test_tune_result_grid_gives_its_trials(ray_cluster, tmp_path):
     from ray import tune
 
