@@ -14,7 +14,7 @@ from training.backoff import RetryPolicy
 from training.data import parquet
 from training.data.files import changed, list_files
 from training.data.order import BatchPlan
-from training.data.parquet_index import FileReader
+from training.data.parquet_read import FileReader
 from training.data.stream import RowGroup, StreamingShard, deal, steps_per_epoch
 from training.errors import DataError
 
@@ -166,7 +166,7 @@ def test_the_index_reads_footers_skips_bookkeeping_and_understands_hive(tmp_path
     assert {f["partition"]["day"] for f in files} == {"2026-01-01", "2026-01-02"}
     assert all(f["row_groups"] == [16, 16, 8] for f in files)
     assert index["spec"] == {"input_dim": 2, "num_classes": 3}
-    assert len(index["splits"]["validation"]["files"]) == 2  # ceil(6 * 0.2)
+    assert 1 <= len(index["splits"]["validation"]["files"]) < 6  # each file by its path's hash (validation_files)
     # the same split however the files are listed, and a filter on the partition
     assert parquet.index_of(options(tmp_path / "t"))["splits"] == index["splits"]
     one_day = parquet.index_of(options(tmp_path / "t", filter={"day": "2026-01-02"}))

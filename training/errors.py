@@ -21,6 +21,12 @@ class DataError(ValueError):
     UserError naming the option that points at the data."""
 
 
+class StorageUnavailable(Exception):
+    """Storage that kept failing past its retries (an outage longer than the retry budget). Unlike a
+    DataError it may pass: Ray Train restarts the group from the newest checkpoint, within
+    failure.max_failures."""
+
+
 class RunFailed(Exception):
     """The training run started and failed. Exit code 1."""
 

@@ -15,20 +15,23 @@ def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
+def local_path(uri: str) -> str:
+    """A local path as written, or as a `file://` URI (file:///data/x is /data/x)."""
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
 def absolute(uri: str, base_dir: str | Path) -> str:
     """Remote URIs as they are; local paths made absolute against base_dir."""
     if is_remote(uri):
         return uri
-    if uri.startswith("file://"):
-        uri = uri[len("file://"):]
-    path = Path(os.path.expanduser(uri))
+    path = Path(os.path.expanduser(local_path(uri)))
     return str(path if path.is_absolute() else (Path(base_dir) / path).resolve())
 
 
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     if is_remote(uri):
         return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(local_path(uri))
 
 
 def join(uri: str, *parts: str) -> str:

@@ -18,18 +18,20 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from training import storage
 from training.data.files import Listing, as_list, list_splits, listed_for
 from training.data.manifest import Manifest, cached, dataset_key
 from training.data.order import BatchPlan
-from training.data.parquet_index import Columns, FileReader, build_index, check_index_unchanged
+from training.data.parquet_checks import MAX_CLASSES
+from training.data.parquet_index import Columns, build_index, check_index_unchanged
+from training.data.parquet_read import FileReader
 from training.data.source import DataCheck, DataSection
 from training.data.stream import StreamingShard
 from training.data.transform import TransformOptions, TransformPlan, plan_transform
 from training.errors import DataError, UserError, first_line
-from training.schema import Section
+from training.schema import Section, printable
 
 INDEX_FORMAT = 1
 
@@ -60,10 +62,16 @@ class ParquetOptions(Section):
     read_ahead: bool = True
     read_threads: int = Field(2, ge=1, le=64)
     # When the files carry no statistics for them: classes of the label / the token vocabulary.
-    num_classes: Optional[int] = Field(None, ge=2)
+    num_classes: Optional[int] = Field(None, ge=2, le=MAX_CLASSES)
     vocab_size: Optional[int] = Field(None, ge=2)
     # Prepare the data with a plug-in first (features, label and tokens then name its output's columns).
     transform: Optional[TransformOptions] = None
+
+    @field_validator("path", "validation_path")
+    def _printable(cls, value):
+        for each in as_list(value) if value is not None else []:
+            printable(each)
+        return value
 
     @model_validator(mode="after")
     def _task_columns(self):
@@ -108,6 +116,14 @@ class IndexPlan:
     def options(self) -> ParquetOptions:
         return self.section.options
 
+    @property
+    def task(self) -> str:
+        return self.options.columns().task
+
+    @property
+    def batch_partitions(self) -> int:
+        return self.options.partitions
+
     def check_unchanged(self, recorded_root: Optional[str]) -> None:
         """A resumed run's data must be the data it started on: exit 2 naming a file that changed."""
         check_index_unchanged(recorded_root, self.listing)
@@ -122,8 +138,8 @@ class IndexPlan:
             return manifest
         try:
             index = index_of(self.options, self.listing)
-        except DataError as exc:
-            raise UserError(f"data.options.path: {exc}") from None
+        except DataError as exc:  # (a column's problem names its option: data.options.label, ...)
+            raise UserError(f"{getattr(exc, 'option', 'data.options.path')}: {exc}") from None
         except OSError as exc:
             raise UserError(f"data.options.path: {first_line(exc)}") from None
         if check is not None:

@@ -30,15 +30,17 @@ chunk of steps reaches into, the next one read ahead), whatever the dataset's si
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from training.data.order import batch_digests, part_bounds
+from training.data.row_group_cache import RowGroupCache, distinct, gather
+
+# The rows a worker gathers at once, in bytes: the costs of a chunk (locating its rows, a call per
+# row group and column) spread over many steps, for two chunks' memory (the one read, the one used).
+CHUNK_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class PartitionStream:
         self.first_rows = np.array([first for _, first, _ in segments], dtype=np.int64)
         counts = np.array([n for _, _, n in segments], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # first position of each segment
+        self._shift = self.first_rows - self.starts[:-1]  # a position's row in its group, less the position
         self.rows = int(self.starts[-1])
         self.window, self.seed, self.epoch, self.partition = window, seed, epoch, partition
         self._perms: dict[int, np.ndarray] = {}
@@ -96,16 +99,20 @@ class PartitionStream:
         return self._perms[w]
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row group id, row within the group) for each stream position."""
-        segment = np.searchsorted(self.starts, positions, side="right") - 1
-        windows = segment // self.window
-        flat = np.empty(len(positions), dtype=np.int64)
-        for w in np.unique(windows):
-            lo, _ = self._window_bounds(int(w))
-            mask = windows == w
-            flat[mask] = lo + self._perm(int(w))[positions[mask] - lo]
-        slots = np.searchsorted(self.starts, flat, side="right") - 1
-        return self.groups[slots], self.first_rows[slots] + flat - self.starts[slots]
+        """(row group id, row within the group) for each stream position, the positions ascending
+        (as a chunk's are: each window's positions are then one slice)."""
+        groups, rows = np.empty(len(positions), dtype=np.int64), np.empty(len(positions), dtype=np.int64)
+        if len(positions):
+            first, last = (np.searchsorted(self.starts, positions[[0, -1]], side="right") - 1) // self.window
+            for w in range(int(first), int(last) + 1):
+                lo, hi = self._window_bounds(w)
+                a, b = np.searchsorted(positions, (lo, hi))
+                flat = self._perm(w)[positions[a:b] - lo] + lo
+                segment = w * self.window  # (the window's segments: its rows are permuted among them)
+                slots = np.searchsorted(self.starts[segment + 1:segment + self.window], flat, side="right") + segment
+                groups[a:b] = self.groups[slots]
+                rows[a:b] = self._shift[slots] + flat
+        return groups, rows
 
 
 class EpochPlan:
@@ -157,77 +164,6 @@ def steps_per_epoch(row_groups: Sequence[RowGroup], partitions: int, global_batc
     return (total // partitions) // int(batch_parts(global_batch_size, partitions).max())
 
 
-class RowGroupCache:
-    """Decoded row groups by id, the least recently used dropped past `capacity`; `load(id)`
-    reads one. Row groups asked for ahead (`prefetch`) are read on a background thread."""
-
-    def __init__(self, load: Callable[[int], dict[str, np.ndarray]], capacity: int, threads: int = 1):
-        self._load, self.capacity = load, max(1, capacity)
-        self._cache: OrderedDict[int, dict[str, np.ndarray] | Future] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="row-groups") if threads else None
-        self.reads = 0
-
-    def _read(self, group: int) -> dict[str, np.ndarray]:
-        with self._lock:
-            self.reads += 1
-        return self._load(group)
-
-    def prefetch(self, groups) -> None:
-        if self._pool is None:
-            return
-        with self._lock:
-            for group in groups:  # (those held already count as just used: wanted next, not dropped)
-                if group in self._cache:
-                    self._cache.move_to_end(group)
-                else:
-                    self._cache[group] = self._pool.submit(self._read, group)
-            self._trim()
-
-    def _trim(self) -> None:
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
-
-    def get(self, group: int) -> dict[str, np.ndarray]:
-        with self._lock:
-            entry = self._cache.get(group)
-            if entry is not None:
-                self._cache.move_to_end(group)
-        if entry is None:
-            value = self._read(group)
-        elif isinstance(entry, Future):
-            value = entry.result()
-        else:
-            return entry
-        with self._lock:
-            self._cache[group] = value
-            self._cache.move_to_end(group)
-            self._trim()
-        return value
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """The rows (group, row) in the given order, column by column."""
-    order = np.argsort(groups, kind="stable")
-    sorted_groups = groups[order]
-    unique, starts = np.unique(sorted_groups, return_index=True)
-    ends = np.append(starts[1:], len(order))
-    cache.prefetch(unique.tolist())  # what is not read yet: on the background threads, at once
-    loaded = [cache.get(int(g)) for g in unique]  # every group this read needs, before any is dropped
-    out: dict[str, np.ndarray] = {}
-    for columns, start, end in zip(loaded, starts, ends):
-        where = order[start:end]
-        for name, column in columns.items():
-            if name not in out:
-                out[name] = np.empty((len(groups),) + column.shape[1:], dtype=column.dtype)
-            out[name][where] = column[rows[where]]
-    return out
-
-
 class StreamingShard:
     """One worker's part of each global batch, read row group by row group (the streaming
     counterpart of `shards.TrainShard`: the same `steps_per_epoch` and `batch(step)`).
@@ -252,14 +188,16 @@ class StreamingShard:
                              f"over {partitions} partitions ({len(self.row_groups)} row groups): fewer partitions, "
                              "smaller row groups or a smaller batch")
         self._lo, self._hi = plan.bounds
-        # A chunk takes at most a window's rows of each partition (the smallest row groups counted).
+        # A chunk takes at most a window's rows of each partition (the smallest row groups counted),
+        # and about CHUNK_BYTES of rows once their size is known (at most 64 steps until then).
         smallest = min(g.rows for g in self.row_groups)
-        self.chunk_steps = int(np.clip(window * smallest // int(batch_parts(plan.global_batch_size, partitions).max()),
-                                       1, 64))
+        self._window_steps = max(1, window * smallest // int(batch_parts(plan.global_batch_size, partitions).max()))
+        self.chunk_steps = min(self._window_steps, 64)
         # the rank's partitions: the windows a chunk reads, the ones a chunk reaches into, the next ones
         touched = int(np.searchsorted(self._epoch(0).offsets, self._hi, side="left")
                       - np.searchsorted(self._epoch(0).offsets, self._lo, side="right") + 1)
         self.cache = RowGroupCache(load, capacity=max(1, touched) * window * 3,
+                                   slot_rows=max(g.rows for g in self.row_groups),
                                    threads=read_threads if read_ahead else 0)
         self._group_start = np.cumsum([0] + [g.rows for g in self.row_groups])  # sample id = start + row
         self._chunk: tuple[int, int, dict[str, np.ndarray]] | None = None  # (first step, steps, columns)
@@ -294,13 +232,15 @@ class StreamingShard:
         if self._chunk is None or not self._chunk[0] <= step < self._chunk[0] + self._chunk[1]:
             first, count, groups, rows = self._locate_chunk(step)
             columns = gather(self.cache, groups.ravel(), rows.ravel())
+            step_bytes = sum(v.nbytes for v in columns.values()) // count
+            self.chunk_steps = int(np.clip(CHUNK_BYTES // max(1, step_bytes), 1, self._window_steps))
             self._chunk = (first, count, {k: v.reshape((count, -1) + v.shape[1:]) for k, v in columns.items()})
             self._chunk_ids = self._group_start[groups] + rows
             self._chunk_digests = batch_digests(np.arange(first, first + count), self._chunk_ids)
             if self.read_ahead:
                 self._next = self._locate_chunk(first + count)
                 epoch, position = divmod(first + count - 1, self.steps_per_epoch)
-                self.cache.prefetch(dict.fromkeys(np.unique(self._next[2]).tolist()
+                self.cache.prefetch(dict.fromkeys(distinct(self._next[2]).tolist()
                                                   + self._epoch(epoch).groups_ahead(position, self._lo, self._hi)))
         first, _, columns = self._chunk
         return {k: v[step - first] for k, v in columns.items()}
@@ -314,7 +254,9 @@ class StreamingShard:
         """This worker's part of global batch `step`'s data digest (after `batch(step)`)."""
         return int(self._chunk_digests[step - self._chunk[0]])
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stops reading ahead; `wait`: until the read threads have ended (a read in flight ends
+        first: those waiting to retry give up at once)."""
         if self._on_close is not None:
             self._on_close()  # (before the pool's shutdown: a read waiting to retry ends now)
-        self.cache.close()
+        self.cache.close(wait)
