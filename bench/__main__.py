@@ -20,7 +20,8 @@ from bench.system_metrics import system_metrics
 from bench.tokenizing import tokenizing
 from training.run.session import ray_session
 
-ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenizing", "recovery",
+ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenize_memory",
+        "tokenizing", "recovery",
         "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
 
 
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
             timed("streaming", lambda: streaming(args.quick))
         if "driver_memory" in wanted:  # fresh processes, no Ray
             timed("driver_memory", lambda: driver_memory(args.quick))
+        if "tokenize_memory" in wanted:  # fresh processes, no Ray
+            timed("tokenize_memory", lambda: rows.tokenize_memory(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray  # (lazy: ray)
@@ -150,6 +153,8 @@ def ratios(rows_: dict) -> dict:
         found["tokenizing_ray_data_vs_one_process"] = rows_["tokenizing"]["ray_data_vs_one_process"]
     for source, value in rows_.get("driver_memory", {}).items():
         found[f"driver_prepare_peak_rss_10x_vs_1x_{source}"] = value["large_vs_small_peak_rss"]
+    if "tokenize_memory" in rows_:
+        found["tokenize_single_document_peak_rss_64mb_vs_4mb"] = rows_["tokenize_memory"]["large_vs_small_peak_rss"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

@@ -108,7 +108,10 @@ def markdown(results: dict) -> str:
                      f"{v['raw_iter_batches_rows_per_s']:.0f} rows/s | **{v['loader_vs_raw_read']:.2f}** of raw "
                      f"(spread {v['loader_spread'][0]:.2f}-{v['loader_spread'][1]:.2f}); reads "
                      f"{v['read_fraction_per_worker']:.2f} of the row groups; CPU per row "
-                     f"{_f(v.get('loader_cpu_per_row_vs_raw'), 2)}x raw's on {_f(v.get('loader_cores_busy'), 2)} cores "
+                     f"{_f(v.get('loader_cpu_per_row_vs_raw'), 2)}x raw's"
+                     + (" (spread {:.2f}-{:.2f})".format(*v["loader_cpu_per_row_spread"])
+                        if "loader_cpu_per_row_spread" in v else "")
+                     + f" on {_f(v.get('loader_cores_busy'), 2)} cores "
                      f"busy (raw {_f(v.get('raw_cores_busy'), 2)}); RSS growth "
                      f"{v['rss_growth_vs_budget']:.2f}x its {v['budget_mb']} MB budget | the `parquet` source's loader "
                      f"on {v['dataset_mb']} MB of generated rows ({v['dataset_vs_budget']:.1f}x the budget), one "
@@ -142,6 +145,13 @@ def markdown(results: dict) -> str:
                      f"the driver's whole process, preparing generated data 10x larger than another (each in a fresh "
                      f"process; {'an index of Parquet footers' if source == 'parquet' else 'tokenized in the driver'}"
                      ") |")
+    if "tokenize_memory" in r:
+        v = r["tokenize_memory"]
+        lines.append(f"| tokenizing memory, one document | peak RSS {v['large_peak_rss_mb']} MB tokenizing a "
+                     f"{v['large_mb']} MB single-document .txt vs {v['small_peak_rss_mb']} MB for {v['small_mb']} MB "
+                     f"(imports alone {v['imports_peak_rss_mb']} MB) | **{v['large_vs_small_peak_rss']:.2f}** "
+                     "(target <= 1.2) | the preparing process's whole peak, each in a fresh process; a document "
+                     "is encoded in pieces |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

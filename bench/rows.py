@@ -26,6 +26,7 @@ from bench.common import (
 )
 from bench.recovery import recovery  # noqa: F401  (the recovery row: a worker killed every 60 s)
 from bench.sweep import sweep  # noqa: F401  (the sweep row: ASHA vs random search)
+from bench.tokenize_memory import tokenize_memory  # noqa: F401  (peak RSS tokenizing a 64 MB document vs 4 MB)
 from training.data.order import BatchPlan
 from training.data.registry import prepare
 from training.data.shards import SplitReader, TrainShard

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # tests/test_chaos_continue.py runs, and the sweep row, two Tune sweeps whose ASHA path
 # tests/test_tuning_ray.py runs (its files and arithmetic: tests/test_bench_math.py). Quick mode
 # leaves those out unless asked for (bench/__main__.py).
-ROW_SETS = {"single": "memory,streaming,driver_memory,cold_start,overhead,data_path,tokenizing,gpu,system_metrics",
+ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,cold_start,overhead,data_path,tokenizing,gpu,"
+                      "system_metrics",
             "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
 LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
 
@@ -48,6 +49,8 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert streaming["loader_rows_per_s"] > 0 and 0.4 < streaming["read_fraction_per_worker"] <= 1
     assert 0 < streaming["row_groups_held_max"] <= streaming["budget_mb"] * 2**20 / (8192 * 264)
     assert {"parquet", "text"} == set(rows["driver_memory"])
+    assert rows["tokenize_memory"]["large_mb"] > 4 * rows["tokenize_memory"]["small_mb"]
+    assert rows["tokenize_memory"]["large_vs_small_peak_rss"] > 0
     assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"]
                for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]

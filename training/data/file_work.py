@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -30,7 +32,7 @@ from training import storage
 from training.data.files import DataFile, Listing, list_files
 from training.data.manifest import SPLITS, Manifest, is_prepared, same_dataset
 from training.data.parquet_index import Columns, build_index, check_index_unchanged
-from training.errors import DataError, UserError
+from training.errors import DataError, UserError, first_line
 
 BLOCKS_PER_CPU = 2  # blocks of input files per CPU of the cluster, in the Ray Data pipeline
 # run_on / tokenize_on auto: on the cluster once the files still to prepare hold this much.
@@ -114,6 +116,27 @@ class FilePlan:
 
     def split_of(self, uri: str) -> str:
         return next(split for split, files in self.inputs.items() if any(f.uri == uri for f in files))
+
+
+def check_cache_dir(cache_root: str, root: str) -> None:
+    """UserError naming data.cache_dir when the data is still to prepare and its folder cannot be
+    written (under a file, read-only, not this user's), found when planning: a directory is made
+    and removed at once in the deepest part of the path that exists. A dataset prepared there
+    already is only read. (An object store's rights show on its first write.)"""
+    if storage.is_remote(cache_root):
+        return
+    try:
+        if is_prepared(root):
+            return
+        existing = os.path.abspath(storage.filesystem(cache_root)[1])
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+    except OSError as exc:
+        raise UserError(f"data.cache_dir: {cache_root} cannot be written ({first_line(exc, 200)}); set data.cache_dir "
+                        "(default: <checkpoint.storage_path>/datasets) to a folder this process can write") from None
 
 
 def decide_where(run_on: str, pending_bytes: int, cluster_up: bool) -> str:

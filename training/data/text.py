@@ -1,8 +1,8 @@
 """The built-in `text` source (the driver). Text files (.txt or any other extension: one
-document per file), JSON Lines (one document per line, in a field) or Parquet (a text column)
-tokenized with a Hugging Face `tokenizers` file, or with a byte-level BPE trained here on a
-deterministic sample of the training files, packed into rows of seq_len + 1 token ids and written
-as Parquet that workers stream exactly like the `parquet` source's `tokens` column.
+document per file), JSON Lines (one document per line, in a field; plain, gzip or zstd) or Parquet
+(a text column) tokenized with a Hugging Face `tokenizers` file, or with a byte-level BPE trained
+here on a deterministic sample of the training files, packed into rows of seq_len + 1 token ids
+and written as Parquet that workers stream exactly like the `parquet` source's `tokens` column.
 
 Each input file is tokenized by the file-by-file pipeline (training/data/file_work.py), into
 `<cache_root>/text-<key>/`, beside the tokenizer the ids come from (`tokenizer.json`). `key` digests
@@ -24,7 +24,15 @@ from pydantic import Field, model_validator
 from tokenizers import Tokenizer  # (the tokenizers library: only when text is tokenized)  # (in the Ray Data task)
 
 from training import storage
-from training.data.file_work import FilePlan, FileTask, do_file_tasks, files_on_cluster, index_output, output_manifest
+from training.data.file_work import (
+    FilePlan,
+    FileTask,
+    check_cache_dir,
+    do_file_tasks,
+    files_on_cluster,
+    index_output,
+    output_manifest,
+)
 from training.data.files import DataFile, as_list, digest, list_files, listed_for, split_listing
 from training.data.manifest import Manifest, cached
 from training.data.order import BatchPlan
@@ -32,11 +40,13 @@ from training.data.parquet import IndexedRows, ParquetOptions, open_stream
 from training.data.parquet_index import Columns
 from training.data.source import DataCheck, DataSection
 from training.data.stream import StreamingShard
+from training.data.text_read import documents, format_of
 from training.data.tinylm import stdlib_source_files
-from training.data.tokenize import documents, format_of, rows_per_group, tokenize_file
+from training.data.tokenize import rows_per_group, tokenize_file
 from training.data.tokenizer import hash_rank, load_tokenizer, log_tokenizer, tokenizer_of
 from training.errors import DataError, UserError
 from training.schema import Section
+from training.tasks import LANGUAGE_MODEL
 
 TEXT_FORMAT = 1
 STDLIB = "stdlib"  # path: the Python standard library's own .py files (site-packages left out)
@@ -70,7 +80,8 @@ class TextOptions(Section):
     # The validation split: its own path, or a fraction of the files (as the parquet source does).
     validation_path: Optional[Union[str, list[str]]] = None
     validation_fraction: Optional[float] = Field(None, gt=0, lt=1)
-    # auto: .jsonl/.ndjson -> jsonl, .parquet/.pq -> parquet, anything else -> text (one document per file).
+    # auto: .jsonl/.ndjson (also .gz or .zst, and C4's .json.gz) -> jsonl, .parquet/.pq -> parquet, anything
+    # else -> text (one document per file).
     format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
     # The field (jsonl) or column (parquet) holding each document's text.
     text_column: str = "text"
@@ -108,6 +119,14 @@ class TextPlan(FilePlan):
     eos_id: int
 
     @property
+    def task(self) -> str:
+        return LANGUAGE_MODEL.name
+
+    @property
+    def batch_partitions(self) -> int:
+        return self.options.partitions
+
+    @property
     def width(self) -> int:
         return self.options.seq_len + 1
 
@@ -137,8 +156,9 @@ class TextPlan(FilePlan):
                              in_driver=lambda: tokenize_in_driver(tasks, *arguments, on_file=on_file),
                              on_cluster=lambda sizes: tokenize_on_cluster(tasks, sizes, *arguments), log=log)
         if work.error:
-            split = self.split_of(work.error["uri"])
-            raise UserError(f"data.options.{_files_option(options, split)}: {work.error['error']}")
+            split, message = self.split_of(work.error["uri"]), work.error["error"]
+            raise UserError(message if message.startswith("data.options.")  # (it names its option)
+                            else f"data.options.{_files_option(options, split)}: {message}")
         if tasks:
             rows, dropped = sum(r["rows"] for r in work.results), sum(r["dropped_tokens"] for r in work.results)
             log(f"data: tokenized {len(tasks)} of {work.files} files ({work.pending_bytes / 1e6:.1f} MB) in "
@@ -259,12 +279,13 @@ class TextSource:
                             f"files, no bytes: {', '.join(f.uri for f in inputs['validation'][:3])})")
         check_first_records(inputs["train"], options, "path")
         check_first_records(inputs["validation"], options, option)
-        tokenizer_json, eos_id = load_tokenizer(options)
+        tokenizer_json, eos_id = load_tokenizer(options, first=next((f for f in inputs["train"] if f.size), None))
         tokenizer_digest = hashlib.sha256((tokenizer_json or "").encode()).hexdigest()
         ident = json.dumps({"format": TEXT_FORMAT, "options": options.model_dump(mode="json", exclude={"tokenize_on"}),
                             "tokenizer": tokenizer_digest, "train": digest(inputs["train"]),
                             "validation": digest(inputs["validation"])}, sort_keys=True)
         root = storage.join(cache_root, f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+        check_cache_dir(cache_root, root)
         return TextPlan(inputs, root, options.tokenize_on, options, tokenizer_json, eos_id)
 
     def plugins(self, section: TextData) -> list[str]:

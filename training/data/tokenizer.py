@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from training import storage, topics
 from training.data.files import DataFile
-from training.data.tokenize import documents, format_of
+from training.data.text_read import documents, format_of
+from training.data.tokenize import encode
 from training.errors import DataError, UserError, first_line
 
 EOS = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here (id 0)
@@ -26,10 +27,15 @@ def hash_rank(files: list[DataFile]) -> list[DataFile]:
     return sorted(files, key=lambda f: hashlib.sha256(f.uri.encode()).hexdigest())
 
 
-def load_tokenizer(options):
-    """(content of the tokenizer file or None, eos id). UserError naming the option if it fails."""
+# Text of the first training file the tokenizer is tried on when planning.
+CHECK_BYTES = 64 << 10
+
+
+def load_tokenizer(options, first: Optional[DataFile] = None):
+    """(content of the tokenizer file or None, eos id). UserError naming the option if it fails, or
+    if the tokenizer cannot encode the start of `first` (a training file)."""
     if options.tokenizer.file is None:
-        return None, 0  # trained here: EOS is its first special token
+        return None, 0  # trained here: EOS is its first special token (byte-level: it encodes any text)
 
     where = options.tokenizer.file
     try:
@@ -42,10 +48,25 @@ def load_tokenizer(options):
     for name in names:
         token = tokenizer.token_to_id(name)
         if token is not None:
+            if first is not None:
+                check_encodes(tokenizer, first, options)
             return content, token
     option = "data.options.eos_token" if options.eos_token else "data.options.tokenizer.file"
     raise UserError(f"{option}: {where} has no end-of-document token {' or '.join(map(repr, names))}"
                     + ("" if options.eos_token else "; set data.options.eos_token to the one it has"))
+
+
+def check_encodes(tokenizer, first: DataFile, options) -> None:
+    """A tokenizer that loads may still fail on text (a model with no unknown token whose vocabulary
+    lacks a character): tried on the start of the first training file, before anything is written."""
+    batch = next(iter(documents(first.uri, format_of(first.uri, options.format), options.text_column,
+                                limit_bytes=CHECK_BYTES)), None)
+    if batch is None:
+        return
+    try:
+        encode(tokenizer, batch, 0, first.uri)
+    except DataError as exc:
+        raise UserError(f"{exc}; data.options.tokenizer.file is {options.tokenizer.file}") from None
 
 
 def sample_documents(files: list[DataFile], options, sample_bytes: int):
@@ -55,7 +76,7 @@ def sample_documents(files: list[DataFile], options, sample_bytes: int):
     for file in hash_rank(files):
         taken = 0
         for batch in documents(file.uri, format_of(file.uri, options.format), options.text_column, limit_bytes=share):
-            for doc in batch:
+            for doc in batch.texts:  # (a long document's pieces: cut between pre-tokenizer words)
                 doc = doc[: share - taken]
                 taken += len(doc)
                 yield doc

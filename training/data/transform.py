@@ -29,6 +29,7 @@ from training import storage
 from training.data.file_work import (
     FilePlan,
     FileTask,
+    check_cache_dir,
     do_file_tasks,
     done_paths,
     files_on_cluster,
@@ -84,6 +85,14 @@ class TransformPlan(FilePlan):
     def transform(self) -> TransformOptions:
         return self.options.transform
 
+    @property
+    def task(self) -> str:
+        return self.columns.task
+
+    @property
+    def batch_partitions(self) -> int:
+        return self.options.partitions
+
     def partitions(self) -> dict[str, dict[str, str]]:
         return {f.uri: f.partition for files in self.inputs.values() for f in files}
 
@@ -116,6 +125,7 @@ class TransformPlan(FilePlan):
             "validation_fraction": None})
         manifest = output_manifest(self, "parquet", index, index_options.model_dump(mode="json"), origin={
             "path": self.options.path, "validation_path": self.options.validation_path,
+            "validation_fraction": self.options.validation_fraction, "filter": self.options.filter,
             "transform": self.transform.function,
             "inputs": digest(self.inputs["train"] + self.inputs["validation"])})
         log(f"data: transformed data prepared at {self.root} ({manifest.rows('train')} train, "
@@ -138,9 +148,9 @@ def plan_transform(options, columns: Columns, cache_root: str) -> TransformPlan:
     `options`: the parquet source's options, with a transform."""
     function = load_callable(options.transform.function, FIELD)
     inputs = listed_for("data.options.path", options.listing).splits
-    first = next((f for f in inputs["train"] if f.size), inputs["train"][0])
     try:
-        check_output(try_on_first_rows(first, options.transform, function), columns.read(), first.uri)
+        first, out = try_on_first_rows(inputs["train"], options.transform, function)
+        check_output(out, columns.read(), first.uri)
     except TransformError as exc:
         raise UserError(f"{exc.field}: {exc}") from None
     ident = json.dumps({"format": TRANSFORM_FORMAT,
@@ -148,18 +158,24 @@ def plan_transform(options, columns: Columns, cache_root: str) -> TransformPlan:
                         "code": code_digest(options.transform.function), "train": digest(inputs["train"]),
                         "validation": digest(inputs["validation"])}, sort_keys=True)
     root = storage.join(cache_root, f"{PREFIX}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}")
+    check_cache_dir(cache_root, root)
     return TransformPlan(inputs, root, options.transform.run_on, options, columns)
 
 
-def try_on_first_rows(file: DataFile, transform: TransformOptions, function: Callable) -> pa.Table:
-    """The function's output on the first rows of `file` (a bad file or function: TransformError)."""
-    with _open(file.uri) as handle:
-        reader = _parquet_file(handle, file.uri)
-        group = next((g for g in range(reader.num_row_groups) if reader.metadata.row_group(g).num_rows), None)
-        if group is None:
-            raise TransformError(f"{file.uri} has no rows to try the function on")
-        table = _read_group(reader, group, transform, file.uri).slice(0, CHECK_ROWS)
-    return apply(function, with_partition(table, file.partition), transform, f"{file.uri} (its first rows)")
+def try_on_first_rows(files: list[DataFile], transform: TransformOptions,
+                      function: Callable) -> tuple[DataFile, pa.Table]:
+    """The first of `files` with rows (empty files, as Spark writes them, are passed over) and the
+    function's output on its first rows (a bad file or function: TransformError)."""
+    for file in files:
+        with _open(file.uri) as handle:
+            reader = _parquet_file(handle, file.uri)
+            group = next((g for g in range(reader.num_row_groups) if reader.metadata.row_group(g).num_rows), None)
+            if group is None:
+                continue
+            table = _read_group(reader, group, transform, file.uri).slice(0, CHECK_ROWS)
+        return file, apply(function, with_partition(table, file.partition), transform, f"{file.uri} (its first rows)")
+    raise TransformError(f"none of the {len(files)} training files has rows to try the function on",
+                         "data.options.path")
 
 
 def check_output(table: pa.Table, columns: list[str], where: str) -> None:
