@@ -31,10 +31,12 @@ def test_the_sweeps_controllers_are_those_its_trials_actors_own():
     actors = [_actor(TRIAL, "ImplicitFunc", "aa" * 28, DRIVER, state=gcs_pb2.ActorTableData.DEAD),
               _actor(OTHER_TRIAL, "ImplicitFunc", "bb" * 28, DRIVER),
               _actor("c3" * 16, "TrainController", "cc" * 28, "aa" * 28),         # started by TRIAL's actor
-              _actor("d4" * 16, "TrainController", "dd" * 28, "bb" * 28),         # by another sweep's trial
+              _actor("d4" * 16, "TrainController", "dd" * 28, "bb" * 28),         # by a trial Tune did not report
               _actor("e5" * 16, "TrainController", "ee" * 28, DRIVER),            # by a training run's driver
-              _actor("f6" * 16, "_QueueActor", "ff" * 28, "aa" * 28)]             # TRIAL's, not a controller
-    assert [a.actor_id.hex() for a in resources.sweep_controllers(actors, {TRIAL})] == ["c3" * 16]
+              _actor("f6" * 16, "_QueueActor", "ff" * 28, "aa" * 28),             # TRIAL's, not a controller
+              _actor("a7" * 16, "Launcher", "77" * 28, DRIVER),                   # a user's actor
+              _actor("b8" * 16, "TrainController", "88" * 28, "77" * 28)]         # whose run is not the sweep's
+    assert [a.actor_id.hex() for a in resources.sweep_controllers(actors, {TRIAL})] == ["c3" * 16, "d4" * 16]
     assert resources.sweep_controllers(actors, set()) == []
 
 

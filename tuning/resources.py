@@ -141,10 +141,16 @@ def release_orphaned_groups(job_id: str) -> list[str]:
 
 
 def sweep_controllers(actors: list, trial_actor_ids: set[str]) -> list:
-    """Of `actors` (GCS actor records), the Ray Train controllers that the trials `trial_actor_ids`
+    """Of `actors` (GCS actor records of the sweep's job), the Ray Train controllers its trials
     started: a trial runs its training run's driver in its own Tune actor, so the run's controller
-    is owned by that actor's worker. Nothing else is included (no other sweep's or run's)."""
-    trial_workers = {a.address.worker_id for a in actors if a.actor_id.hex() in trial_actor_ids and a.address.worker_id}
+    is owned by that actor's worker. A trial's actor is known by its id when Tune reported its start
+    (`on_trial_start`), and otherwise by its class, the trainable's, which the sweep's other trial
+    actors share (a trial Tune restarted on an actor it did not report, once left a controller
+    alive). Controllers of a training run's driver, or of any other actor, are not included."""
+    trials = [a for a in actors if a.actor_id.hex() in trial_actor_ids]
+    classes = {a.class_name for a in trials}
+    trial_workers = {a.address.worker_id for a in actors
+                     if a.address.worker_id and (a in trials or a.class_name in classes)}
     return [a for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS and a.owner_address.worker_id in trial_workers]
 
 
