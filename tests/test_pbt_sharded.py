@@ -6,6 +6,7 @@ checkpoint layouts (sharded); the rebase itself is tested on both layouts withou
 one worker per trial."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -99,11 +100,18 @@ def _nothing_left(ray):
     trial groups, the runs' worker groups), every CPU free. (Once, a trial's controller and its
     worker group outlived the sweep, and the next run waited for placement without end.)"""
     job_id = ray.get_runtime_context().get_job_id()
-    actors = ray_private.actor_records(job_id)
-    by_worker = {a.address.worker_id: a for a in actors}
-    controllers = [(a.actor_id.hex(), getattr(by_worker.get(a.owner_address.worker_id), "class_name", "driver"))
-                   for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS
-                   and a.state != ray_private.actor_dead_state()]
+
+    def controllers_alive():
+        actors = ray_private.actor_records(job_id)
+        by_worker = {a.address.worker_id: a for a in actors}
+        return [(a.actor_id.hex(), getattr(by_worker.get(a.owner_address.worker_id), "class_name", "driver"))
+                for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS and a.state != ray_private.actor_dead_state()]
+
+    # (a few seconds for the GCS to record a death already under way; a left-over controller stays)
+    deadline = time.monotonic() + 10
+    while controllers_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    controllers = controllers_alive()
     assert controllers == [], f"Train controllers (and their owners) alive after the sweep: {controllers}"
     groups = [g.placement_group_id.hex() for g in ray_private.placement_groups()
               if g.creator_job_id.hex() == job_id and g.state != ray_private.placement_group_removed_state()]
