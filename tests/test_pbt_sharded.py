@@ -48,9 +48,11 @@ def _sweep_file(tmp_path):
 def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
     import pyarrow.fs as pafs
 
+    # (the shared cluster's job is this test process's: earlier tests' runs may have left their own)
+    before = _alive_controllers(ray_cluster), _left_groups(ray_cluster)
     summary = run_sweep(sweep_config.load(_sweep_file(workdir), name="pbt"))
     assert len(summary.rows) == 2 and not [r for r in summary.rows if r.status == "failed"]
-    _nothing_left(ray_cluster)
+    _nothing_left(ray_cluster, *before)
 
     runs = workdir / "runs"
     seed_run, step = first_exploit(runs, MAX_STEPS)
@@ -95,26 +97,36 @@ def test_pbt_exploit_continues_from_a_sharded_donor(ray_cluster, workdir):
     assert len(children) == 2  # one child per trial, exploits included
 
 
-def _nothing_left(ray):
-    """The sweep left nothing on the cluster: no Train controller alive, no placement group (Tune's
-    trial groups, the runs' worker groups), every CPU free. (Once, a trial's controller and its
-    worker group outlived the sweep, and the next run waited for placement without end.)"""
+def _alive_controllers(ray) -> dict[str, str]:
+    """The job's Train controllers alive now, each with its owner's class ("driver": this process)."""
+    actors = ray_private.actor_records(ray.get_runtime_context().get_job_id())
+    by_worker = {a.address.worker_id: a for a in actors}
+    return {a.actor_id.hex(): getattr(by_worker.get(a.owner_address.worker_id), "class_name", "driver")
+            for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS and a.state != ray_private.actor_dead_state()}
+
+
+def _left_groups(ray) -> set[str]:
     job_id = ray.get_runtime_context().get_job_id()
+    return {g.placement_group_id.hex() for g in ray_private.placement_groups()
+            if g.creator_job_id.hex() == job_id and g.state != ray_private.placement_group_removed_state()}
+
+
+def _nothing_left(ray, controllers_before: dict, groups_before: set):
+    """The sweep left nothing on the cluster: no Train controller of its own alive, no placement
+    group of its own (Tune's trial groups, the runs' worker groups), every CPU free. (Once, a trial's
+    controller and its worker group outlived the sweep, and the next run waited for placement
+    without end.)"""
 
     def controllers_alive():
-        actors = ray_private.actor_records(job_id)
-        by_worker = {a.address.worker_id: a for a in actors}
-        return [(a.actor_id.hex(), getattr(by_worker.get(a.owner_address.worker_id), "class_name", "driver"))
-                for a in actors if a.class_name == TRAIN_CONTROLLER_CLASS and a.state != ray_private.actor_dead_state()]
+        return {k: v for k, v in _alive_controllers(ray).items() if k not in controllers_before}
 
     # (a few seconds for the GCS to record a death already under way; a left-over controller stays)
     deadline = time.monotonic() + 10
     while controllers_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     controllers = controllers_alive()
-    assert controllers == [], f"Train controllers (and their owners) alive after the sweep: {controllers}"
-    groups = [g.placement_group_id.hex() for g in ray_private.placement_groups()
-              if g.creator_job_id.hex() == job_id and g.state != ray_private.placement_group_removed_state()]
-    assert groups == [], f"placement groups left after the sweep: {groups}"
+    assert controllers == {}, f"Train controllers (and their owners) alive after the sweep: {controllers}"
+    groups = _left_groups(ray) - groups_before
+    assert groups == set(), f"placement groups left after the sweep: {groups}"
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"], 30,
              "every CPU free after the sweep")
