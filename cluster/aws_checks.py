@@ -80,7 +80,7 @@ def quota_checks(config: dict, facts: AwsFacts) -> list[CheckResult]:
 
 def profile_and_key_checks(facts: AwsFacts) -> list[CheckResult]:
     profiles = [passed(f"instance_profile:{name}", "exists") if exists else
-                failed(f"instance_profile:{name}", "not found: create it with cluster/iam/ (cluster/README.md)")
+                failed(f"instance_profile:{name}", "not found: create it with cluster/iam/ (docs/clusters.md)")
                 for name, exists in sorted(facts.instance_profiles.items())]
     keys = [passed(f"key_pair:{name}", "exists") if exists else
             failed(f"key_pair:{name}", f"not found in {facts.region}: import it or fix KeyName")
@@ -93,7 +93,7 @@ def security_group_check(config: dict, facts: AwsFacts) -> CheckResult:
     check = f"security_group:{name}"
     if facts.security_group is None:
         return warned(check, "does not exist yet: Ray will create it and add SSH from 0.0.0.0/0; pre-create "
-                      "it with only your SSH rule (cluster/README.md)")
+                      "it with only your SSH rule (docs/clusters.md)")
     open_ray, ssh_world, _ = exposure(list(facts.security_group), mlflow_port(config), listeners(config))
     if open_ray or ssh_world:
         return failed(check, f"open to the internet: {', '.join(open_ray + ['22 (SSH)'] * bool(ssh_world))}")

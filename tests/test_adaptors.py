@@ -302,7 +302,7 @@ def test_ray_gcs_answers_the_session_name_probe_with_its_session_directory(ray_c
 
 @pytest.mark.ray
 def test_ray_train_report_barrier_is_released_by_a_replica_group_replacement(ray_cluster):
-    """failure.mode continue relies on it (README "Continuous training"): a survivor waiting in
+    """failure.mode continue relies on it (docs/continuous-training.md): a survivor waiting in
     `ray.train.report`'s barrier for a peer that died is released when the controller replaces
     the peer's replica group, which resets the barrier; the report then raises
     SynchronizationBarrierResetError, which `report` catches and skips."""

@@ -6,7 +6,7 @@ operator false and a negated one true; `...IfExists` is true when the key is abs
 A launch by the head's autoscaler is authorized per resource (instance, volume, image, subnet,
 security group, ...), each with its own keys, as EC2 does for RunInstances. The policies are also
 linted offline with cloudsplaining and parliament. Check the same on a real account with
-`aws iam simulate-principal-policy` (see README, "Security model")."""
+`aws iam simulate-principal-policy` (see docs/clusters.md, "Security model")."""
 
 import fnmatch
 import json
@@ -63,7 +63,7 @@ def decide(policy: dict, action: str, resource: str, context: dict | None = None
 
 
 def policy(name: str) -> dict:
-    """The policy as a user installs it: ACCOUNT_ID filled in (README, "Before the first ray up")."""
+    """The policy as a user installs it: ACCOUNT_ID filled in (docs/clusters.md, "Before the first ray up")."""
     return json.loads((IAM / name).read_text().replace(ACCOUNT_PLACEHOLDER, ACCOUNT))
 
 
