@@ -23,7 +23,7 @@ from training.failure.registry import FAILURE_MODES
 from training.models.registry import ModelConfig
 from training.observe.notify import RUN_EVENTS, check_written, shown_url
 from training.redaction import redact_values
-from training.schema import Section, format_validation_error, load_yaml, printable, set_path, storage_location
+from training.schema import Section, load_yaml, printable, set_path, storage_location, validation_problems
 
 
 class OptimConfig(Section):
@@ -219,8 +219,12 @@ class TrackingConfig(Section):
     tracking_uri: Optional[str] = None
     experiment: str = Field("training", min_length=1)
     register_model: bool = True
-    # Registry name; default "<data.source>-<model.name>".
+    # Registry name; default "<data.source>-<model.name>". Each version is tagged run_id, data_digest,
+    # score_metric and score (the run's last checkpoint.score_metric); the alias @best moves to a
+    # version only when its score beats @best's (checkpoint.score_mode), @latest is the newest.
     registered_model_name: Optional[str] = None
+    # Which runs add a version: "always" (every run), or "improved" (only a run that beats @best).
+    register_when: Literal["always", "improved"] = "always"
     # A cluster config (cluster.yaml) to price the run by; default $TRAINING_CLUSTER_CONFIG.
     cluster_config: Optional[str] = None
     # Export the final model to ONNX (checked against PyTorch with onnxruntime) and log it as an
@@ -321,7 +325,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return result
 
 
-def validate(raw: Any, source: str = "config") -> JobConfig:
+def validate(raw: Any, source: str = "config", overrides: list[str] = ()) -> JobConfig:
+    """`overrides`: the `--set` texts applied to `raw`, which a message blames for what they set."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -329,9 +334,27 @@ def validate(raw: Any, source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{format_validation_error(exc, root=JobConfig)}") from None
+        raise invalid(exc, source, JobConfig, overrides) from None
     except ConfigError as exc:
         raise ConfigError(f"{source} is invalid:\n  {exc}") from None
+
+
+def invalid(error: ValidationError, source: str, root, overrides: list[str] = ()) -> ConfigError:
+    """The message for a config that failed validation: a problem at, under or just above a key that
+    a `--set` set is that --set's (`--set train.lr: unknown key; ...`), not the file's; the rest are
+    the file's (`digits.yaml is invalid: ...`). The value is not repeated: it may hold a secret
+    (a webhook's token), which the field's own message masks."""
+    keys = [".".join(parse_override(text)[0]) for text in overrides]
+    from_file, from_set = [], []
+    for path, message in validation_problems(error, root=root):
+        blamed = next((key for key in reversed(keys)  # (the last --set of a key is the one that holds)
+                       if path == key or path.startswith(key + ".") or key.startswith(path + ".")), None)
+        if blamed is None:
+            from_file.append(f"  {path}: {message}")
+        else:
+            from_set.append(f"--set {blamed}: {message}" if path == blamed else f"--set {blamed}: {path}: {message}")
+    head = [f"{source} is invalid:", *from_file] if from_file else []
+    return ConfigError("\n".join(head + from_set))
 
 
 def read_yaml_mapping(path: Path, what: str, hint: str) -> dict:
@@ -360,7 +383,7 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     raw = apply_overrides(raw, list(overrides))
     if name is not None:
         raw["name"] = name
-    return validate(raw, source)
+    return validate(raw, source, list(overrides))
 
 
 def shown(config: JobConfig) -> dict:

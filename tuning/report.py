@@ -2,15 +2,21 @@
 
 The parent holds the search space (params), the resolved sweep, a results table (results.csv), the
 best trial's config and metric, and plots: a learning curve per trial, and the metric against each
-swept parameter. The best trial's model is registered. Children of trials that Tune stopped are
-marked KILLED, of failed trials FAILED, each with a `tune.trial_status` tag.
+swept parameter. The best trial's model is registered. Each child has a `tune.trial_status` tag;
+children of failed trials are marked FAILED. A trial that the scheduler stopped is not a failure:
+its child is FINISHED at the time of its last evaluation, with a `tune.stopped_by` tag saying which
+scheduler stopped it where, and holds every result the trial reported (its Train controller ends
+with the trial, and what it had not yet sent to MLflow is lost with it: the sweep logs those results
+from Tune's record of them). Its training run's status.json says `scheduler_stopped`.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import numbers
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -21,12 +27,14 @@ import yaml
 from training import config as config_lib
 from training import storage
 from training.adaptors.ray_private import result_grid_trials
+from training.metrics import mlflow_name
 from training.redaction import redact, redact_values
-from training.run.finalize import load_final_model, log_model, registered_model_name
+from training.run.finalize import load_final_model, log_model, register_model, registered_model_name
 from training.run.paths import artifact_location
 from training.run.record import Record
-from training.tracking.tracker import MlflowTracker, NullTracker, fluent_mlflow
+from training.tracking.tracker import MlflowTracker, NullTracker
 from tuning.config import Sweep
+from tuning.events import STOPPED_BY_TAG, mark_scheduler_stopped, params_text, stop_reason
 from tuning.schedule import absolute_base
 from tuning.trial import SWEEP_TAG, TRIAL_TAG, TrialSetup, trial_job
 
@@ -44,6 +52,7 @@ class TrialRow:
     history: list = field(default_factory=list)  # (step, metric)
     timeline: list = field(default_factory=list)  # (step, metric, wall-clock time of the evaluation)
     checkpoint_path: Optional[str] = None
+    reports: list = field(default_factory=list)  # (step, wall-clock time, the training run's metrics) per result
 
 
 def start_parent(sweep: Sweep, paths, state: Optional[Record]):
@@ -95,8 +104,29 @@ def trial_rows(sweep: Sweep, grid, paths) -> list[TrialRow]:
             status = "stopped"
         rows.append(TrialRow(trial.trial_id, status, run, dict(trial.config), int(metrics.get("step", 0)),
                              values[-1] if values else None, best, history=history, timeline=timeline,
-                             checkpoint_path=metrics.get("checkpoint_path")))
+                             checkpoint_path=metrics.get("checkpoint_path"), reports=_reports(frame)))
     return rows
+
+
+def _not_training_metric(key: str) -> bool:
+    """What Tune and the trial add to each result, not the training run's own metrics."""
+    from ray.tune.result import AUTO_RESULT_KEYS  # (lazy: ray.tune)
+
+    return (key in AUTO_RESULT_KEYS or key.startswith("config/")
+            or key in ("done", "trial_id", "training_run", "checkpoint_path", "should_checkpoint", "step",
+                       "total_steps"))
+
+
+def _reports(frame) -> list:
+    if frame is None or "step" not in frame:
+        return []
+    reports = []
+    for record in frame.to_dict("records"):
+        values = {k: float(v) for k, v in record.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)
+                  and not _nan(float(v)) and not _not_training_metric(k)}
+        wall = record.get("wall_time", record.get("timestamp"))
+        reports.append((int(record["step"]), None if _nan(wall) else float(wall), values))
+    return reports
 
 
 def best_row(sweep: Sweep, rows: list[TrialRow]) -> Optional[TrialRow]:
@@ -112,7 +142,7 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, 
     summary.rows, summary.best = rows, best_row(sweep, rows)
     for row in rows:
         log(f"  trial {row.trial_id} {row.status:8} {sweep.config.metric} {_fmt(row.last)} at step {row.steps} "
-            f"{_params_text(row.params)}")
+            f"{params_text(row.params)}")
     if parent.run_id is None:
         return
     client = parent.client
@@ -125,9 +155,10 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, 
             continue
         row.mlflow_run_id = child.info.run_id
         client.set_tag(child.info.run_id, "tune.trial_status", row.status)
-        wanted = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}[row.status]
-        if child.info.status != wanted:
-            client.set_terminated(child.info.run_id, status=wanted)
+        if row.status == "stopped":
+            _end_stopped(sweep, paths, client, child, row)
+        elif child.info.status != row.status.upper():  # finished: FINISHED, failed: FAILED
+            client.set_terminated(child.info.run_id, status=row.status.upper())
     counts = {status: sum(r.status == status for r in rows) for status in ("finished", "stopped", "failed")}
     for status, count in counts.items():
         client.log_metric(parent.run_id, f"trials_{status}", count)
@@ -151,35 +182,66 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, 
                 summary.registered = state.registered or _register(sweep, job, manifest, best, parent)
                 state.registered = summary.registered
             log(f"sweep {sweep.name}: best trial {best.trial_id} ({sweep.config.metric} {_fmt(best.last)}) "
-                f"{_params_text(best.params)}")
+                f"{params_text(best.params)}")
     log(f"  MLflow parent run {parent.run_id} at {redact(parent.tracking_uri)}")
     if summary.registered:
         log(f"  registered model: {summary.registered['name']} version {summary.registered['version']}")
 
 
+def _end_stopped(sweep: Sweep, paths, client, child, row: TrialRow) -> None:
+    """A trial the scheduler stopped: every result it reported in its child run, which ends FINISHED
+    at its last evaluation with the reason in a tag; its training run's status.json says so too."""
+    reason = stop_reason(sweep.config.scheduler.name, row.steps, sweep.config.metric, row.last)
+    ended_s = next((wall for _, wall, _ in reversed(row.reports) if wall is not None), None)
+    log_missing_results(client, child.info.run_id, row.reports)
+    if child.info.status != "FINISHED" or child.data.tags.get(STOPPED_BY_TAG) != reason:
+        client.set_tag(child.info.run_id, STOPPED_BY_TAG, reason)
+        client.set_terminated(child.info.run_id, status="FINISHED",
+                              end_time=int(ended_s * 1000) if ended_s is not None else None)
+    mark_scheduler_stopped(storage.join(paths.storage_path, row.run), reason, ended_s or time.time())
+
+
+def log_missing_results(client, run_id: str, reports: list) -> int:
+    """Log each reported (step, metric) that the run lacks, under its MLflow name, at the time it was
+    measured; what the Train controller did send is left as it is, so no step is logged twice.
+    Returns how many were logged."""
+    from mlflow.entities import Metric  # (lazy: mlflow)
+
+    keys = {mlflow_name(key) for _, _, values in reports for key in values}
+    logged = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
+    missing = {}
+    for step, wall, values in reports:  # (a step reported again after a restart: its first report)
+        for key, value in ((mlflow_name(k), v) for k, v in values.items()):
+            if step not in logged[key] and (key, step) not in missing:
+                missing[key, step] = Metric(key, value, int((wall if wall is not None else time.time()) * 1000), step)
+    missing = list(missing.values())
+    for start in range(0, len(missing), 1000):  # (MLflow's limit for one request)
+        client.log_batch(run_id, metrics=missing[start:start + 1000])
+    return len(missing)
+
+
 def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[dict]:
     """Register the best trial's logged model; a trial stopped before the end has none: log it from
     its last checkpoint first."""
-    import mlflow  # (lazy: mlflow)
-
-
     client = parent.client
     name = registered_model_name(sweep.base)
     experiment_id = client.get_run(best.mlflow_run_id).info.experiment_id
     logged = client.search_logged_models(experiment_ids=[experiment_id],
                                          filter_string=f"source_run_id = '{best.mlflow_run_id}'",
                                          order_by=[{"field_name": "creation_time", "ascending": False}])
-    if logged:
-        with fluent_mlflow(parent.tracking_uri):
-            version = mlflow.register_model(logged[0].model_uri, name).version
+    registering = job.model_copy(update={"tracking": job.tracking.model_copy(
+        update={"register_model": True, "registered_model_name": name})})
+    if logged:  # (aliases and tags as a single run's: training/tracking/registry.py)
+        version = register_model(registering, manifest, client, logged[0].model_id, best.mlflow_run_id)[
+            "registered_version"]
     elif best.checkpoint_path:
         fs, path = storage.filesystem(best.checkpoint_path)
         model = load_final_model(job.model, manifest, ray.train.Checkpoint(path, filesystem=fs))
-        registering = job.model_copy(update={"tracking": job.tracking.model_copy(
-            update={"register_model": True, "registered_model_name": name})})
         version = log_model(registering, manifest, model, MlflowTracker(parent.tracking_uri, best.mlflow_run_id))[
             "registered_version"]
     else:
+        return None
+    if version is None:  # tracking.register_when improved, and the best trial does not beat @best
         return None
     client.set_model_version_tag(name, str(version), SWEEP_TAG, sweep.name)
     client.set_model_version_tag(name, str(version), TRIAL_TAG, best.trial_id)
@@ -237,7 +299,3 @@ def _nan(value) -> bool:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}"
-
-
-def _params_text(params: dict) -> str:
-    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -4,9 +4,13 @@ logged to MLflow (and registered), a learning-curve plot, a summary."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -19,11 +23,13 @@ from training.data.registry import source_of
 from training.metrics import KEY_METRICS, PLOTTED
 from training.models.family import ModelSection
 from training.models.registry import build_model, family_of
+from training.observe.notify import mlflow_run_url
 from training.redaction import redact, redact_values
 from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 from training.run.export import export_onnx
 from training.tasks import TASKS, logits_of
-from training.tracking.tracker import fluent_mlflow
+from training.tracking import registry
+from training.tracking.tracker import RUN_NAME_TAG, fluent_mlflow
 from training.worker.profile import PROFILE_DIR
 
 
@@ -35,9 +41,15 @@ def load_final_model(model_section: ModelSection, manifest, checkpoint) -> torch
 
 
 def sample_input(manifest) -> torch.Tensor:
-    """A few validation rows, as the model takes them (a signature's example, an export's sample)."""
+    """A few validation rows, as the model takes them (a signature's example, an export's sample).
+    Contiguous: torch.export guards on the strides of the tensor it traces, and a graph traced on a
+    slice (a language model's inputs are tokens[:, :-1]) refuses every ordinary array. At least two
+    rows: it fixes a dimension of size 1 as a constant, which would make the batch size one."""
     rows = source_of(manifest.source).rows(manifest, "validation").take(np.arange(min(4, manifest.rows("validation"))))
-    return TASKS[manifest.task].model_input({name: torch.from_numpy(column) for name, column in rows.items()})
+    sample = TASKS[manifest.task].model_input({name: torch.from_numpy(column) for name, column in rows.items()})
+    if sample.shape[0] == 1:
+        sample = torch.cat([sample, sample])
+    return sample.contiguous()
 
 
 def registered_model_name(job: JobConfig) -> str:
@@ -47,38 +59,73 @@ def registered_model_name(job: JobConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
+def logged_model_name(job: JobConfig) -> str:
+    """The logged model's name in its run (MLflow refuses '.' there, which a registry name may hold)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", registered_model_name(job))
+
+
 def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict:
-    """Log (and register) the final model in `tracking.model_format`: "pt2", a torch.export graph
-    that loads without unpickling anything, or "pickle", opted into, for what cannot be exported."""
+    """Log the final model in `tracking.model_format` ("pt2", a torch.export graph that loads without
+    unpickling anything, or "pickle", opted into, for what cannot be exported), link the run's final
+    metrics to it, and register it (training/tracking/registry.py). The exported graph takes any
+    batch size: MLflow marks the signature's batch dimension (-1) dynamic when it exports."""
     import mlflow  # (lazy: mlflow)
     import mlflow.pytorch  # (lazy: mlflow.pytorch)
     from mlflow.models import infer_signature  # (lazy: mlflow)
 
     sample = sample_input(manifest)
     with torch.no_grad():
-        output = logits_of(model(sample)).numpy()
-    signature = infer_signature(sample.numpy(), output)  # the batch dimension is left dynamic (-1)
-    name = registered_model_name(job) if job.tracking.register_model else None
+        raw = model(sample)
+    signature = infer_signature(sample.numpy(), logits_of(raw).numpy())  # the batch dimension is left dynamic (-1)
     model_format = job.tracking.model_format
-    if model_format == "pt2":  # traced on the sample (of more than one row: the batch size stays dynamic)
-        by_format = {"input_example": sample.numpy()}
-    else:  # unpickling imports the model's classes: ship this package with it
-        by_format = {"code_paths": [str(Path(__file__).resolve().parents[1])]}
+    by_format = {}
+    if model_format == "pickle":  # unpickling imports the model's classes: ship this package with it
+        by_format["code_paths"] = [str(Path(__file__).resolve().parents[1])]
+    # The example is shown in MLflow's UI and checked by it (the logged model called on it); pt2 is
+    # traced on it. A pickled model whose forward returns an object (`.logits`) would fail the check.
+    if model_format == "pt2" or torch.is_tensor(raw):
+        by_format["input_example"] = sample.numpy()
     with fluent_mlflow(tracker.tracking_uri), mlflow.start_run(run_id=tracker.run_id):
         try:
             info = mlflow.pytorch.log_model(
-                model, name="model", signature=signature, serialization_format=model_format,
-                registered_model_name=name, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-                **by_format)
+                model, name=logged_model_name(job), signature=signature, serialization_format=model_format,
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"], **by_format)
         except Exception as exc:
             if model_format != "pt2":
                 raise
             raise RuntimeError("the model could not be exported with torch.export for tracking.model_format pt2; "
                                "set tracking.model_format: pickle to log it as a pickle (loading one runs code) "
                                f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
-    version = getattr(info, "registered_model_version", None)  # None unless MLflow registered it
-    return {"model_uri": info.model_uri, "model_id": info.model_id, "model_format": model_format,
-            "registered_model": name if version is not None else None, "registered_version": version}
+        client = mlflow.MlflowClient(tracker.tracking_uri)
+        score_metric = job.checkpoint.score_metric
+        final = registry.link_final_metrics(client, tracker.run_id, info.model_id, (*KEY_METRICS, score_metric))
+        logged = {"model_uri": info.model_uri, "model_id": info.model_id, "model_format": model_format,
+                  "model_metrics": final, "registered_model": None, "registered_version": None}
+        if job.tracking.register_model:
+            logged.update(register_model(job, manifest, client, info.model_id, tracker.run_id))
+    return logged
+
+
+def register_model(job: JobConfig, manifest, client, model_id: str, run_id: str) -> dict:
+    """Register the logged model `model_id` of the MLflow run `run_id` (scored by the run's last
+    `checkpoint.score_metric`) as `tracking.register_when` says, `@best` moved if it beats @best's.
+    "registered_version" is None when nothing was registered ("registry_reason" says why)."""
+    name, ckpt_config = registered_model_name(job), job.checkpoint
+    run = client.get_run(run_id)
+    score = run.data.metrics.get(ckpt_config.score_metric)
+    decision = registry.decide(score, ckpt_config.score_metric, ckpt_config.score_mode, job.tracking.register_when,
+                               registry.current_best(client, name))
+    digest = getattr(manifest, "digest", None)
+    shown = "no score" if score is None else f"{ckpt_config.score_metric} {score:.4g}"
+    run_name = run.data.tags.get(RUN_NAME_TAG, run_id)
+    description = (f"{job.model.name} trained on {job.data.source} data {(digest or '?')[:12]} by run {run_name}: "
+                   f"{shown}")
+    version = registry.register(client, name, model_id, run_id,
+                                registry.version_tags(run_id, digest, ckpt_config.score_metric, score),
+                                description, decision)
+    return {"registered_model": name if version else None, "registered_version": version,
+            "registry_name": name, "best_moved": decision.move_best and version is not None,
+            "registry_reason": decision.reason, "score_metric": ckpt_config.score_metric, "score": score}
 
 
 def plot_learning_curves(tracker, run_name: str, path: Path) -> bool:
@@ -201,6 +248,8 @@ def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, 
     logged = log_model(job, manifest, model, tracker)
     summary.registered_model = logged["registered_model"]
     summary.extra.update(logged)
+    experiment_id = tracker.client.get_run(tracker.run_id).info.experiment_id
+    summary.extra["mlflow_url"] = mlflow_run_url(tracker.tracking_uri, experiment_id, tracker.run_id)
     with tempfile.TemporaryDirectory() as tmp:
         export = job.tracking.export_onnx
         if export or (export is None and family_of(job.model.name).exports_onnx):  # default: built-in models
@@ -236,7 +285,36 @@ def summary_lines(summary) -> list[str]:
                      f"samples skipped: {int(summary.metrics['samples_skipped'])}")
     if summary.mlflow_run_id:
         lines.append(f"  MLflow run {summary.mlflow_run_id} at {redact(summary.tracking_uri or '')}")
-    if summary.registered_model:
-        lines.append(f"  registered model: {summary.registered_model} "
-                     f"version {summary.extra.get('registered_version')}")
+    lines += registry_lines(summary)
+    if summary.mlflow_run_id and summary.tracking_uri:
+        lines.append(f"  MLflow UI: {ui_hint(summary.tracking_uri, summary.extra.get('mlflow_url'))}")
     return lines
+
+
+def registry_lines(summary) -> list[str]:
+    """What became of the model in the registry, and how to load it."""
+    extra, name = summary.extra, summary.extra.get("registry_name")
+    if summary.registered_model:
+        lines = [f"  registered model: {name} version {extra.get('registered_version')}"
+                 + (", now @best" if extra.get("best_moved") else "") + f" ({extra.get('registry_reason')})"]
+    elif name and extra.get("registry_reason"):  # tracking.register_when improved, and it did not
+        lines = [f"  not registered (tracking.register_when improved): {extra['registry_reason']}"]
+    elif extra.get("model_uri"):
+        return [f'  load it: mlflow.pyfunc.load_model("{extra["model_uri"]}")']
+    else:
+        return []
+    this_run = f"models:/{name}/{extra['registered_version']}" if summary.registered_model else extra.get("model_uri")
+    return lines + [f'  load the best: mlflow.pyfunc.load_model("models:/{name}@best")  (this run\'s: {this_run})']
+
+
+def ui_hint(tracking_uri: str, run_url: Optional[str] = None) -> str:
+    """How to see the runs: a tracking server's page, or the command that serves a local store's."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return run_url or redact(tracking_uri)
+    mlflow = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "mlflow")  # (the venv's, if any)
+    if os.path.exists(mlflow):
+        relative = os.path.relpath(mlflow)
+        mlflow = relative if not relative.startswith("..") else mlflow
+    else:
+        mlflow = "mlflow"
+    return f"{mlflow} ui --backend-store-uri {shlex.quote(redact(tracking_uri))}, then open http://127.0.0.1:5000"
