@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from training import config as config_lib
+from training.metrics import mlflow_name
 from training.run.driver import run_training
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +47,8 @@ def run_service(job):
 
     summary = run_training(job, log=lambda line: None)
     client = MlflowClient(summary.tracking_uri)
-    history = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "wall_time"))
+    wall_times = client.get_metric_history(summary.mlflow_run_id, mlflow_name("wall_time"))
+    history = sorted((m.step, m.value) for m in wall_times)
     return summary, history
 
 

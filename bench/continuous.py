@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.common import interleaved, median, paired_ratios, run_service, service_job
 from bench.recovery import train_worker_pids  # (this cluster's own workers only)
+from training.metrics import mlflow_name
 
 
 def _kill_one_after(run_dir: Path, first_checkpoint: str, kills: list[float], stop: threading.Event) -> None:
@@ -66,8 +67,8 @@ def continuous(quick: bool) -> dict:
             stop.set()
             killer.join(timeout=5)
         client = MlflowClient(summary.tracking_uri)
-        lost = client.get_metric_history(summary.mlflow_run_id, "replica_lost")
-        rejoined = client.get_metric_history(summary.mlflow_run_id, "replica_rejoined")
+        lost = client.get_metric_history(summary.mlflow_run_id, mlflow_name("replica_lost"))
+        rejoined = client.get_metric_history(summary.mlflow_run_id, mlflow_name("replica_rejoined"))
         per_kill.append({"kill_to_next_step_s": kill_to_next_step_s(kills[0], [m.timestamp for m in lost])
                          if kills else None,
                          # the replacement's start, restore and heal, while the survivor trains alone

@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 
 from bench.common import median, paired_ratios, run_service, service_job
 from training.data.registry import prepare
+from training.metrics import mlflow_name
 from training.run.paths import resolve_paths
 
 
@@ -86,7 +87,7 @@ def _metrics(summary) -> dict[str, list[tuple[int, float]]]:
     from mlflow.tracking import MlflowClient  # (lazy: mlflow)
 
     client = MlflowClient(summary.tracking_uri)
-    return {key: sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, key))
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, mlflow_name(key)))
             for key in ("wall_time", "first_step_time", "start_step", "worker_start_time")}
 
 

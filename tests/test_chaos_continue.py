@@ -13,6 +13,7 @@ from conftest import CONFIGS, tracked_history, train_worker_pids, wait_for
 from mlflow.tracking import MlflowClient
 
 from training import config as config_lib
+from training.metrics import mlflow_name
 from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
@@ -72,12 +73,12 @@ def test_killed_worker_is_replaced_while_the_survivor_keeps_training(ray_cluster
     runs = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
     assert len(runs) == 1
     run_id = runs[0].info.run_id
-    replicas = client.get_metric_history(run_id, "replicas")
+    replicas = client.get_metric_history(run_id, mlflow_name("replicas"))
     short = [m for m in replicas if m.value < 2]
     assert short and all(m.value == 1 for m in short)
     assert max(m.step for m in replicas) == 300  # and the full set reported again to the end
-    lost = client.get_metric_history(run_id, "replica_lost")
-    rejoined = client.get_metric_history(run_id, "replica_rejoined")
+    lost = client.get_metric_history(run_id, mlflow_name("replica_lost"))
+    rejoined = client.get_metric_history(run_id, mlflow_name("replica_rejoined"))
     assert lost and rejoined
     # events carry the time they happened: the loss after the kill, the rejoin after the loss
     assert seen["killed_at"] <= lost[0].timestamp / 1000 <= rejoined[0].timestamp / 1000
@@ -133,8 +134,8 @@ def test_a_peer_dead_before_a_report_holds_the_survivor_only_until_it_is_replace
     assert all(survivor in pids for pids in until_replacement), "the surviving worker was replaced too"
 
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
-    lost = client.get_metric_history(run.info.run_id, "replica_lost")
-    rejoined = client.get_metric_history(run.info.run_id, "replica_rejoined")
+    lost = client.get_metric_history(run.info.run_id, mlflow_name("replica_lost"))
+    rejoined = client.get_metric_history(run.info.run_id, mlflow_name("replica_rejoined"))
     # the survivor's first step after the death: its wait at the barrier (until Ray Train's next
     # health check sees the death) overlaps the 0.5 s that torchft's lighthouse takes to drop the group
     stall_s = lost[0].timestamp / 1000 - died_at

@@ -11,6 +11,8 @@ import time
 import pytest
 from conftest import CONFIGS, tracked_history
 
+from training.metrics import mlflow_name
+
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
 
 # failure.mode continue, two workers: a killed driver takes the lighthouse, the controller and every
@@ -102,5 +104,5 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path, empty_mlflow_d
     assert steps == sorted(set(steps)), "a step logged twice"  # continuing by step
     assert steps[0] <= 50 and steps[-1] == STEPS
     # every replica group came back: the resumed run reports both, as replica groups
-    replicas = client.get_metric_history(run.info.run_id, "replicas")
+    replicas = client.get_metric_history(run.info.run_id, mlflow_name("replicas"))
     assert any(m.step > killed_at for m in replicas) and replicas[-1].step == STEPS and replicas[-1].value == 2

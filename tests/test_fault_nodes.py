@@ -14,6 +14,7 @@ from conftest import CONFIGS, private_cluster, tracked_history, wait_for
 
 from training import config as config_lib
 from training.checkpoint import format as ckpt
+from training.metrics import mlflow_name
 from training.run.driver import run_training
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.slow]
@@ -95,7 +96,7 @@ def digest_history(workdir, name):
 
     _, run = loss_history(workdir, name)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "data_digest")}
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_name("data_digest"))}
 
 
 def loss_history(workdir, name):
@@ -134,7 +135,7 @@ def assert_system_metrics_from_every_node(workdir, run):
 
     from training.observe.system import node_label
 
-    nodes = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}
+    nodes = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/node-")}
     assert nodes >= {node_label(n["NodeID"]) for n in ray.nodes() if n["Alive"]}, run.data.metrics.keys()
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     for node in nodes:
@@ -201,7 +202,8 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
     # at 1000: 3 s after the workers were placed, as this once did, the group could still be starting,
     # and a worker created on a draining node never started.
     client = __import__("mlflow").tracking.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    wait_for(lambda: 2 in {int(m.value) for m in tracked_history(client, "digits", "world_size", "spot")}, 180,
+    world_size = mlflow_name("world_size")
+    wait_for(lambda: 2 in {int(m.value) for m in tracked_history(client, "digits", world_size, "spot")}, 180,
              "training at 2 workers, tracked")
     (worker_node,) = [node for node in cluster.worker_nodes]
     accepted, message = ray._raylet.GcsClient(address=cluster.address).drain_node(
@@ -277,8 +279,8 @@ def test_a_node_lost_in_continue_mode_stops_nobody(cluster, workdir):
 
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
                                 filter_string="tags.`training.run_name` = 'lostnode'")
-    lost_events = client.get_metric_history(run.info.run_id, "replica_lost")
-    rejoined = client.get_metric_history(run.info.run_id, "replica_rejoined")
+    lost_events = client.get_metric_history(run.info.run_id, mlflow_name("replica_lost"))
+    rejoined = client.get_metric_history(run.info.run_id, mlflow_name("replica_rejoined"))
     assert lost_events and rejoined and lost_at <= lost_events[0].timestamp / 1000 <= rejoined[0].timestamp / 1000
-    replicas = client.get_metric_history(run.info.run_id, "replicas")
+    replicas = client.get_metric_history(run.info.run_id, mlflow_name("replicas"))
     assert any(m.value == 1 for m in replicas) and max(m.step for m in replicas) == 800

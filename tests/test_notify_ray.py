@@ -17,6 +17,7 @@ from webhook import receiver
 
 from training import config as config_lib
 from training.errors import RunFailed
+from training.metrics import mlflow_name
 from training.observe.status_cli import main as status_main
 from training.run.driver import run_training
 
@@ -76,10 +77,10 @@ def test_a_good_run_posts_finished_once_and_its_url_is_nowhere(ray_cluster, work
 
     client = MlflowClient(summary.tracking_uri)
     for phase in ("data_wait", "forward_backward", "optimizer"):
-        history = client.get_metric_history(summary.mlflow_run_id, f"time_{phase}_ms")
+        history = client.get_metric_history(summary.mlflow_run_id, mlflow_name(f"time_{phase}_ms"))
         assert history and all(m.value >= 0 for m in history) and history[-1].step == 60, phase
-    assert client.get_metric_history(summary.mlflow_run_id, "time_forward_backward_ms")[-1].value > 0
-    assert client.get_metric_history(summary.mlflow_run_id, "checkpoint_blocking_s")
+    assert client.get_metric_history(summary.mlflow_run_id, mlflow_name("time_forward_backward_ms"))[-1].value > 0
+    assert client.get_metric_history(summary.mlflow_run_id, mlflow_name("checkpoint_blocking_s"))
     # rank 0's profiler trace of steps 2-3, in the run's storage and in MLflow
     assert (workdir / "runs" / "good" / "profile" / "trace-steps-2-3.json").is_file()
     assert [a.path for a in client.list_artifacts(summary.mlflow_run_id, "profile")] == ["profile/trace-steps-2-3.json"]

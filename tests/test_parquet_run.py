@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from training import config as config_lib
 from training.checkpoint import format as ckpt
 from training.errors import UserError
+from training.metrics import mlflow_name
 from training.run.driver import run_training
 
 pytestmark = pytest.mark.ray
@@ -50,7 +51,7 @@ def digest_history(workdir, name):
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id],
                                 filter_string=f"tags.`training.run_name` = '{name}'")
-    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "data_digest")}
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_name("data_digest"))}
 
 
 def final_weights(run_dir):

@@ -20,6 +20,7 @@ from training.data.registry import data_section
 from training.data.tokenize import tokenize_file
 from training.data.tokenizer import EOS, train_tokenizer
 from training.errors import ConfigError, UserError
+from training.metrics import mlflow_name
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 
@@ -252,8 +253,8 @@ def test_tinylm_bpe_trains_on_the_standard_library_and_logs_its_tokenizer(ray_cl
     assert Tokenizer.from_file(saved).get_vocab_size() == 512
     run = client.get_run(summary.mlflow_run_id)
     assert client.get_metric_history(run.info.run_id, "val_perplexity")
-    assert run.data.metrics["cluster_cost_usd_estimate"] > 0  # the head's time
-    assert run.data.metrics["cluster_gpu_energy_kwh_estimate"] == 0  # CPU workers: no GPU node priced
+    assert run.data.metrics[mlflow_name("cluster_cost_usd_estimate")] > 0  # the head's time
+    assert run.data.metrics[mlflow_name("cluster_gpu_energy_kwh_estimate")] == 0  # CPU workers: no GPU node priced
 
 
 def test_the_command_refuses_bad_text_input_with_exit_2_before_ray(tmp_path):

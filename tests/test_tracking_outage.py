@@ -20,6 +20,7 @@ from conftest import CONFIGS, REPO, wait_for
 from mlflow.tracking import MlflowClient
 
 from training import config as config_lib
+from training.metrics import mlflow_name
 from training.tracking.backlog import BACKLOG_FILE, read_backlog, replay_backlogs
 from training.tracking.policy import SendPolicy
 from training.tracking.tracker import MlflowTracker
@@ -358,7 +359,7 @@ def test_a_training_run_survives_mlflow_killed_and_restarted(server, ray_cluster
     assert run.info.status == "FINISHED"
     reported = list(range(10, max_steps + 1, 10))
     assert steps_of(client, run.info.run_id, "train_loss") == reported  # every report, exactly once
-    assert steps_of(client, run.info.run_id, "samples_per_s") == reported
+    assert steps_of(client, run.info.run_id, mlflow_name("samples_per_s")) == reported
     assert summary.extra.get("mlflow_model_logged", True), text[-3000:]
     model = client.get_logged_model(summary.extra["model_id"])  # the model the run's end logged
     assert (model.source_run_id, model.experiment_id) == (run.info.run_id, run.info.experiment_id)

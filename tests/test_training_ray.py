@@ -9,6 +9,7 @@ from conftest import CONFIGS
 from mlflow.tracking import MlflowClient
 
 from training import config as config_lib
+from training.metrics import mlflow_name
 from training.run.driver import run_training
 
 pytestmark = pytest.mark.ray
@@ -37,7 +38,7 @@ def test_default_job_reaches_95_percent_and_is_tracked(ray_cluster, workdir):
     assert history[-1].value < history[0].value
     val_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
     assert {100, 200, 300, 400} <= set(val_steps)
-    assert client.get_metric_history(run.info.run_id, "samples_per_s")[-1].value > 0
+    assert client.get_metric_history(run.info.run_id, mlflow_name("samples_per_s"))[-1].value > 0
 
     assert run.info.artifact_uri.startswith((workdir / "mlruns" / "digits").as_uri())  # beside mlflow.db
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

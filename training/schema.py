@@ -127,7 +127,13 @@ def _deep_copy(value):
 def format_validation_error(error: ValidationError, prefix: str = "", root: Optional[type[BaseModel]] = None) -> str:
     """One line per bad field, `  dotted.path: what is wrong`; unknown keys list what is allowed
     (under `root`, the model the dotted paths start from)."""
-    lines = []
+    return "\n".join(f"  {path}: {message}" for path, message in validation_problems(error, prefix, root))
+
+
+def validation_problems(error: ValidationError, prefix: str = "",
+                        root: Optional[type[BaseModel]] = None) -> list[tuple[str, str]]:
+    """(dotted path, what is wrong) per bad field, as `format_validation_error` shows them."""
+    problems = []
     for item in error.errors():
         loc = [part for part in item["loc"] if not str(part).startswith("function-after")]
         parts, model, choice = _walk(loc, root)
@@ -143,9 +149,8 @@ def format_validation_error(error: ValidationError, prefix: str = "", root: Opti
             message = message.removeprefix("Value error, ")
         elif item["type"] == "literal_error":
             message = message.replace("Input should be", "must be")
-        path = ".".join(filter(None, [prefix, *parts])) or "(top level)"
-        lines.append(f"  {path}: {message}")
-    return "\n".join(lines)
+        problems.append((".".join(filter(None, [prefix, *parts])) or "(top level)", message))
+    return problems
 
 
 def _walk(loc: list, root: Optional[type[BaseModel]]) -> tuple[list[str], Any, Optional[Choice]]:

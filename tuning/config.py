@@ -114,19 +114,19 @@ def load(path: Optional[str | Path], overrides: list[str] = (), name: Optional[s
     try:
         sweep = SweepConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path} is invalid:\n{format_validation_error(exc, root=SweepConfig)}") from None
+        raise config_lib.invalid(exc, str(path), SweepConfig, own) from None
     final_name = name or sweep.name or path.stem
     if not re.fullmatch(NAME_PATTERN, final_name):
         raise ConfigError(f"name: {final_name!r} must start with a letter or digit and hold only letters, digits, "
                           "'_', '.' and '-' (at most 64)")
-    base_raw, base = _load_base(sweep, path)
+    base_raw, base = _load_base(sweep, path, [text for text in overrides if text not in own])
     space = _check_space(sweep, base_raw)
     if base.tracking.cluster_config:  # trials price themselves by it at their end: refused now if unusable
         check_cluster_config(storage.absolute(base.tracking.cluster_config, base_dir()))
     return Sweep(config=sweep, name=final_name, space=space, base_raw=base_raw, base=base)
 
 
-def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
+def _load_base(sweep: SweepConfig, sweep_path: Path, cli_overrides: list[str] = ()) -> tuple[dict, JobConfig]:
     if isinstance(sweep.base, dict):
         raw, source = sweep.base, f"{sweep_path}: base"
     else:
@@ -144,7 +144,7 @@ def _load_base(sweep: SweepConfig, sweep_path: Path) -> tuple[dict, JobConfig]:
     if sweep.trial.scaling is not None:
         raw["scaling"] = sweep.trial.scaling.model_dump(mode="json")
     raw.pop("name", None)  # each trial's run is named after the trial
-    return raw, config_lib.validate(raw, source)
+    return raw, config_lib.validate(raw, source, cli_overrides)
 
 
 def _check_space(sweep: SweepConfig, base_raw: dict) -> dict[str, Dimension]:

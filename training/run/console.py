@@ -59,6 +59,14 @@ OWN_WARNINGS = tuple(topics.line(topic, "") for topic in TOPICS)
 # node.py:438 -- ...", "2026/12/03 07:08:58 WARNING mlflow.pytorch: ..."): their internals, in the log file.
 _LIBRARY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?:DEBUG|INFO|WARNING) \S+\.py:\d+ -- "
                              r"|^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?:DEBUG|INFO|WARNING) mlflow[.:]")
+# MLflow writes all its event output in this process (its loggers' records, and the lines it prints,
+# such as "Registered model 'x' already exists. Creating a new version of this model...") through one
+# stream, MLFLOW_LOGGING_STREAM of this module, which forwards each write to sys.stderr as it is at
+# that moment. A write from it is one of MLflow's events, whole: a record may span many lines (a
+# failed input-example validation carries the example's JSON and the error), which line by line
+# would not read as MLflow's.
+MLFLOW_STREAM_MODULE = "mlflow.utils.logging_utils"
+_MLFLOW_SHOWN = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?:ERROR|CRITICAL) ")
 
 
 class Place(enum.Enum):
@@ -102,6 +110,12 @@ class ConsoleRouter:
         if any(noise in line for noise in NOISE) or _LIBRARY_RECORD.match(line):
             return Routed(Place.LOG, line)
         return Routed(Place.CONSOLE, _ANSI.sub("", line))
+
+    @staticmethod
+    def mlflow_event(text: str) -> Place:
+        """One of MLflow's own events (see MLFLOW_STREAM_MODULE), all its lines: only its errors are
+        the user's to see; its progress and warnings go to the log file."""
+        return Place.CONSOLE if _MLFLOW_SHOWN.match(_ANSI.sub("", text)) else Place.LOG
 
     def _worker_line(self, process: str, line: str, text: str) -> Routed:
         """A worker's own output (a plug-in's print, this project's lines): shown once (Ray Train's
@@ -208,11 +222,17 @@ class _RoutedStream(io.TextIOBase):
     def __init__(self, console: TextIO, log: RunLog, router: ConsoleRouter, is_err: bool):
         self.console, self.log, self.router, self.is_err = console, log, router, is_err
         self._partial = ""
+        self._mlflow_event = ""  # MLflow's event being written (print writes its text, then the newline)
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
+        if sys._getframe(1).f_globals.get("__name__") == MLFLOW_STREAM_MODULE:
+            self._mlflow_event += text
+            if self._mlflow_event.endswith("\n"):
+                self._emit_mlflow_event()
+            return len(text)
         self._partial += text
         *lines, self._partial = self._partial.split("\n")
         for line in lines:
@@ -225,7 +245,15 @@ class _RoutedStream(io.TextIOBase):
         if routed.place is Place.CONSOLE:
             self.console.write(routed.text + "\n")
 
+    def _emit_mlflow_event(self) -> None:
+        event, self._mlflow_event = _ANSI.sub("", self._mlflow_event), ""
+        self.log.write(event if event.endswith("\n") else event + "\n")
+        if self.router.mlflow_event(event) is Place.CONSOLE:
+            self.console.write(event if event.endswith("\n") else event + "\n")
+
     def flush(self) -> None:
+        if self._mlflow_event:
+            self._emit_mlflow_event()
         if self._partial:
             line, self._partial = self._partial, ""
             self._emit(line)

@@ -5,6 +5,8 @@ is created (a resumed run already has them: a changed dataset is refused before 
 from __future__ import annotations
 
 import json
+import re
+from typing import Optional
 
 from training import topics
 from training.errors import first_line
@@ -37,6 +39,59 @@ def sources(manifest) -> tuple[str, dict[str, str]]:
     return "parquet", by_split
 
 
+# Arrow's type names (as pyarrow writes them) by MLflow's column types; lists become MLflow arrays.
+_MLFLOW_TYPES = {"boolean": ("bool",), "integer": ("int8", "int16", "int32", "uint8", "uint16"),
+                 "long": ("int64", "uint32", "uint64"), "float": ("halffloat", "float16", "float"),
+                 "double": ("double",), "string": ("string", "large_string", "utf8"),
+                 "binary": ("binary", "large_binary")}
+_BY_ARROW = {arrow: mlflow for mlflow, names in _MLFLOW_TYPES.items() for arrow in names}
+_LIST = re.compile(r"^(?:large_|fixed_size_)?list<(?:item|element): (?P<item>.*?)(?: not null)?>(?:\[\d+\])?$")
+
+
+def _top_level_fields(arrow_schema: str) -> list[tuple[str, str]]:
+    """(name, type) of each top-level field of a schema as the manifest holds it: pyarrow's
+    `Schema.to_string()` (a field a line, its children indented below it) or `name: type, ...`."""
+    fields = []
+    for line in arrow_schema.split("\n-- ")[0].splitlines():  # (then pyarrow's metadata, if any)
+        if line[:1].isspace():  # a field's children
+            continue
+        depth, start = 0, 0
+        for at, char in enumerate(line + ","):
+            depth += (char in "<[(") - (char in ">])")
+            if depth == 0 and char == ",":
+                name, _, kind = line[start:at].strip().partition(": ")
+                if name:
+                    fields.append((name, kind.strip()))
+                start = at + 1
+    return fields
+
+
+def _mlflow_type(arrow_type: str):
+    from mlflow.types.schema import Array, DataType  # (lazy: mlflow)
+
+    listed = _LIST.match(arrow_type)
+    if listed:
+        item = _mlflow_type(listed.group("item"))
+        return Array(item) if item is not None else None
+    if arrow_type.startswith(("timestamp[", "date32", "date64")):
+        return DataType.datetime
+    if arrow_type.startswith("fixed_size_binary"):
+        return DataType.binary
+    found = _BY_ARROW.get(arrow_type.removesuffix(" not null"))
+    return DataType[found] if found else None
+
+
+def mlflow_schema(arrow_schema: str) -> Optional[str]:
+    """The columns as MLflow's own datasets record them, `{"mlflow_colspec": [{"name", "type", ...}]}`:
+    the form the run page's dataset drawer shows as a table. A column of a type MLflow has no name
+    for is left out (the profile holds the schema as Arrow writes it)."""
+    from mlflow.types.schema import ColSpec, Schema  # (lazy: mlflow)
+
+    columns = [ColSpec(kind, name) for name, kind in ((n, _mlflow_type(t)) for n, t in _top_level_fields(arrow_schema))
+               if kind is not None]
+    return json.dumps({"mlflow_colspec": Schema(columns).to_dict()}) if columns else None
+
+
 def dataset_inputs(manifest) -> list:
     from mlflow.entities import Dataset, DatasetInput, InputTag  # (lazy: mlflow)
 
@@ -46,9 +101,10 @@ def dataset_inputs(manifest) -> list:
     for split, context in CONTEXTS.items():
         body = manifest.splits[split]
         files = len(body.get("files", body.get("shards", [])))
-        profile = json.dumps({"num_rows": body["rows"], "files": files, "task": manifest.task, **manifest.spec})
+        profile = json.dumps({"num_rows": body["rows"], "files": files, "task": manifest.task, **manifest.spec,
+                              "arrow_schema": manifest.schema})
         dataset = Dataset(name=f"{name}-{split}", digest=manifest.digest[:16], source_type=source_type,
-                          source=source[split], schema=json.dumps({"columns": manifest.schema}), profile=profile)
+                          source=source[split], schema=mlflow_schema(manifest.schema), profile=profile)
         inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
     return inputs
 

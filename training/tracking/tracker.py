@@ -32,6 +32,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from training import topics
+from training.metrics import mlflow_name
 from training.redaction import redact
 from training.tracking.policy import SendPolicy
 from training.tracking.sender import Sender
@@ -135,21 +136,21 @@ class MlflowTracker:
         return cls(tracking_uri, run_id, run_dir, policy, transport)
 
     def last_step(self, key: str) -> int:
-        """The last step at which `key` was logged (-1 if none or MLflow does not answer)."""
+        """The last step at which the run's metric `key` was logged (-1 if none or MLflow does not answer)."""
         try:
-            return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+            return max((m.step for m in self.client.get_metric_history(self.run_id, mlflow_name(key))), default=-1)
         except Exception:
             return -1
 
     # --- the sender's side: only catch_up, close and finish wait, each for at most its wait_s -------
 
     def log_metrics(self, metrics: dict, step: int, timestamp_s: Optional[float] = None) -> None:
-        """Queue numeric metrics for the sender thread; returns at once. `timestamp_s`: when they
-        were measured (time.time()), if not now."""
+        """Queue numeric metrics for the sender thread, under their MLflow names (training/metrics.py);
+        returns at once. `timestamp_s`: when they were measured (time.time()), if not now."""
         from mlflow.entities import Metric  # (lazy: mlflow)
 
         now = int((time.time() if timestamp_s is None else timestamp_s) * 1000)
-        self._sender.queue([Metric(k, float(v), now, int(step)) for k, v in metrics.items()
+        self._sender.queue([Metric(mlflow_name(k), float(v), now, int(step)) for k, v in metrics.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)])
 
     def on_checkpoint(self) -> None:
