@@ -99,7 +99,7 @@ def test_a_driver_that_stopped_without_an_end_leaves_a_resumable_run():
     assert decide_state(beat, 1000.0 + stale_after_s(10.0), False, 20).state == "running"
     gone = decide_state(beat, 1001.0 + stale_after_s(10.0), False, 20)
     assert gone.state == "resumable" and "from step 20" in gone.detail and "last heard" in gone.detail
-    assert decide_state({"state": "stopped", "heartbeat": 1.0}, 2.0, False, None).state == "resumable"
+    assert decide_state({"state": "stopped", "heartbeat": 1.0}, 2.0, False, None).state == "interrupted"  # (resumable)
     assert decide_state(None, 0.0, True, 40).state == "finished"  # a run from before status files
     assert decide_state(None, 0.0, False, None).state == "resumable"
 

@@ -278,4 +278,24 @@ def torch_trainer_class() -> type:
                 controller_init_kwargs["failure_policy"], self.final_errors, self.placement_timeout_s)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
+        def _register_sigint_handler(self, controller):
+            """Ctrl-C is the driver's (training/run/interrupt.py): Ray Train's handler waits on the
+            controller's abort, a minute and more while the group waits for placement."""
+
     return BoundedTorchTrainer
+
+
+def autoscaler_node_groups() -> Optional[list[tuple[dict[str, float], float]]]:
+    """The node groups an autoscaler published in the GCS (KubeRay, Ray's autoscaler v2), as
+    (one node's resources, the most nodes of it: inf for no bound), or None where none is published
+    (a local or fixed cluster; the launcher's autoscaler: $TRAINING_CLUSTER_CONFIG says it there)."""
+    try:
+        from ray._private.state import state  # (connected: the driver's Ray session)
+
+        config = state.get_cluster_config()
+    except Exception:  # (Ray's private state API moved, or the GCS did not answer: not known)
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return [({key: float(value) for key, value in group.resources.items()},
+             float("inf") if group.max_count == -1 else float(group.max_count)) for group in config.node_group_configs]

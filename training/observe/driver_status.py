@@ -1,5 +1,7 @@
 """The driver's status.json (the driver): `running` with a heartbeat while the run goes on, then
-`finished`, `failed` or `stopped`. A storage that refuses a write costs a warning, never the run."""
+`finished`, `failed` (with the error's line) or `interrupted` (Ctrl-C, SIGTERM: "interrupted by
+SIGINT"); a sweep rewrites a trial its scheduler ended as `scheduler_stopped` (training/observe/state.py).
+A storage that refuses a write costs a warning, never the run."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class DriverStatus:
             self._write()
 
     def end(self, state: str, error: Optional[str] = None) -> None:
-        """The last word: finished, failed or stopped. The heartbeat stops first."""
+        """The last word: finished, failed, interrupted (or a sweep's scheduler_stopped). The heartbeat
+        stops first."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)

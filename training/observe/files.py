@@ -1,6 +1,7 @@
 """The two files that say how a run is doing, next to its checkpoints (any process reads them):
 
-    status.json    written by the driver: its state (running, finished, failed, stopped), a
+    status.json    written by the driver: its state (running, finished, failed, interrupted,
+                   scheduler_stopped: training/observe/state.py), a
                    heartbeat while it runs, the error line of a failure, the MLflow run
     progress.json  written by the Train controller: the last step and metrics, worker-group
                    restarts and preemptions so far

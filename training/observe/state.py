@@ -1,17 +1,23 @@
 """What state a run is in, from what its storage holds (pure: `python -m training status` and its
 tests call it with the files read and the clock read).
 
-    running    the driver's heartbeat is fresh
-    finished   the driver recorded the end (or, for a run older than status.json, a summary.json is there)
-    failed     the run failed beyond its failure budget; the same command with the same --name resumes it
-    resumable  the driver stopped without an end (killed, interrupted, its machine gone): the same
-               command with the same --name resumes it from its newest complete checkpoint
+    running            the driver's heartbeat is fresh
+    finished           the driver recorded the end (or, for a run older than status.json, a summary.json is there)
+    failed             the run failed beyond its failure budget (the error's line is shown); the same
+                       command with the same --name resumes it
+    interrupted        stopped by Ctrl-C (SIGINT) or SIGTERM, on purpose: resumable, as below
+    scheduler_stopped  a sweep's trial that the sweep's scheduler (ASHA, PBT, median stopping) ended on
+                       purpose: its end, not offered for resume (the reason is shown)
+    resumable          the driver stopped without an end (killed, its machine gone): the same command
+                       with the same --name resumes it from its newest complete checkpoint
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from training.errors import first_line
 
 # A driver rewrites status.json every heartbeat_every_s (10 s); on a loaded machine or a slow store
 # a write can be late: the driver counts as gone after this many missed heartbeats (and this floor).
@@ -21,7 +27,7 @@ STALE_FLOOR_S = 45.0
 
 @dataclass(frozen=True)
 class RunState:
-    state: str                    # running | finished | failed | resumable
+    state: str                    # running | finished | failed | interrupted | scheduler_stopped | resumable
     detail: str                   # one line: why, and what to do
     heard_s_ago: Optional[float] = None
 
@@ -45,17 +51,20 @@ def decide_state(status: Optional[dict], now_s: float, has_summary: bool,
     ago = max(0.0, now_s - float(heard)) if isinstance(heard, (int, float)) else None
     if state == "finished":
         return RunState("finished", f"finished {_ago(ago)}", ago)
+    error = first_line(status.get("error") or "")
     if state == "failed":
-        error = status.get("error") or "no error recorded"
-        return RunState("failed", f"failed {_ago(ago)}: {error}; {resume}", ago)
+        return RunState("failed", f"failed {_ago(ago)}: {error or 'no error recorded'}; {resume}", ago)
+    if state in ("interrupted", "stopped"):  # ("stopped": what drivers wrote for an interrupt before)
+        return RunState("interrupted", f"{error or 'interrupted'} {_ago(ago)}, resumable; {resume}", ago)
+    if state == "scheduler_stopped":
+        return RunState("scheduler_stopped", f"stopped by the sweep's scheduler: {error or 'no reason recorded'} "
+                        f"({_ago(ago)}; its end, on purpose: not to be resumed)", ago)
     if state == "running":
         limit = stale_after_s(float(status.get("heartbeat_every_s") or 10.0))
         if ago is not None and ago <= limit:
             return RunState("running", f"running (driver on {status.get('host', '?')}, heard {_ago(ago)})", ago)
         gone = _ago(ago)
         return RunState("resumable", f"its driver stopped without ending the run (last heard {gone}); {resume}", ago)
-    if state == "stopped":
-        return RunState("resumable", f"stopped ({status.get('error') or 'interrupted'}); {resume}", ago)
     return RunState("resumable", f"unknown state {state!r} in status.json; {resume}", ago)
 
 

@@ -31,8 +31,9 @@ examples:
   python -m training status my-run --watch           # refresh every 5 s until the run ends (Ctrl-C stops)
   python -m training status my-run --storage s3://my-bucket/runs   # from a laptop (AWS credentials as usual)
 
-states: running (its driver's heartbeat is fresh), finished, failed, resumable (stopped without an
-end: the same command with the same --name resumes it).
+states: running (its driver's heartbeat is fresh), finished, failed (with the error's line),
+interrupted (Ctrl-C or SIGTERM) and resumable (stopped without an end): the same command with the
+same --name resumes these three; scheduler_stopped (a sweep's trial its scheduler ended: not resumed).
 unreadable: a run whose files are not what this service writes (the file and field are named).
 exit codes: 0 shown, 2 no such storage or run, a run that cannot be read, or a bad option."""
 MAX_INTERVAL_S = 86400.0  # (a day: time.sleep refuses some finite numbers, and nobody waits longer)
@@ -118,7 +119,7 @@ def list_line(report: dict) -> str:
         return f"{report['name']:40} unreadable: {report['detail']}"
     where = "-" if report["step"] is None else \
         f"step {report['step']}" + (f"/{report['total_steps']}" if report["total_steps"] else "")
-    return f"{report['name']:40} {report['state']:9} {where:16} restarts {report['restarts']}"
+    return f"{report['name']:40} {report['state']:17} {where:16} restarts {report['restarts']}"
 
 
 def storage_of(value: str) -> str:

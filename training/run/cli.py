@@ -1,7 +1,8 @@
 """`python -m training [CONFIG] [--set key=value ...] [--name RUN]`: one training run;
 `python -m training status [RUN]`: how a run in storage is doing (training/observe/status_cli.py).
 
-Exit codes: 0 the run finished; 2 bad input (nothing was started); 1 the run failed.
+Exit codes: 0 the run finished; 2 bad input, or a worker group the cluster cannot hold (nothing was
+started); 1 the run failed; 130 / 143 stopped by Ctrl-C / SIGTERM (resumable).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from training import config as config_lib
 from training import storage
 from training.errors import UserError, exit_code
 from training.observe.status_cli import main as status_main
+from training.run import interrupt
 from training.run.console import RunLog, console_log, opening_line
 from training.run.driver import run_training
+from training.run.interrupt import stop_on_signals
 from training.run.paths import base_dir, default_run_name, resolve_paths
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
@@ -33,7 +36,9 @@ Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a loc
 Tracking: tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.
 Relative paths resolve against $TRAINING_BASE_DIR, else the working directory (~/training
 inside a submitted Ray job).
-exit codes: 0 finished, 1 the run failed, 2 bad input (nothing started)."""
+Ctrl-C or SIGTERM stops a run within seconds; the same command with the same --name resumes it.
+exit codes: 0 finished, 1 the run failed, 2 bad input or a worker group the cluster cannot hold
+(nothing started), 130 Ctrl-C, 143 SIGTERM."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,9 +77,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(opening_line(job.name, config_path, job.scaling.num_workers, paths.run_dir, paths.tracking_uri), flush=True)
     local = not storage.is_remote(paths.run_dir)
     log = RunLog(Path(paths.run_dir) / "driver.log" if local else Path(base_dir()) / "logs" / f"{job.name}.log")
-    with console_log(log):
+    with console_log(log), stop_on_signals():
         code = exit_code(lambda: run_training(job, config_path=config_path, started=log.start),
                          interrupted="run the same command with the same --name to resume")
+    if code == 130:  # (Ctrl-C or SIGTERM: the shell's convention, 128 + the signal)
+        code = interrupt.exit_code()
     if log.started:
         print(f"log: {log.path}", flush=True)
     return code

@@ -7,14 +7,16 @@ Everything a user can get wrong is checked before Ray starts (UserError, exit co
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 from training import config as config_lib
 from training import storage, topics
+from training.adaptors.ray_private import autoscaler_node_groups
 from training.config import JobConfig
 from training.data.registry import source_of
 from training.errors import RunFailed, UserError, last_line
@@ -22,11 +24,12 @@ from training.models.registry import family_of
 from training.observe import notify
 from training.observe.system import SYSTEM_KEY
 from training.redaction import redact
-from training.run import preflight
+from training.run import interrupt, preflight
 from training.run.fit import fit
 from training.run.paths import RunPaths, artifact_location, default_run_name, resolve_paths
+from training.run.placement import PlacementDecision, decide_placement, decide_wait
 from training.run.record import Record
-from training.run.resources import maximum_resources, worker_resources
+from training.run.resources import NodeGroup, WorkerResources, maximum_node_groups, summed, worker_resources
 from training.run.session import check_cluster_to_join, ray_session
 from training.tracking.backlog import replay_backlogs
 from training.tracking.datasets import log_datasets
@@ -82,7 +85,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     preflight.config_checks(job, plan)  # (what the config alone reveals: before anything is prepared)
     if record is not None and record.dataset:
         plan.check_unchanged(record.dataset.get("root"))
-    largest = maximum_resources()  # None: no launcher config on this machine
+    largest = maximum_node_groups()  # None: no launcher config on this machine
     checks = preflight.job_checks(job, paths, getattr(plan, "batch_partitions", None))
     # What is prepared on the cluster is prepared inside the Ray session the fit then uses; the
     # job's checks on the data (rows, the model's shapes) run once it is prepared.
@@ -92,11 +95,13 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     # cannot be joined)
     check_cluster_to_join()
     with ExitStack() as session:
+        placed = None
         if on_cluster:
-            session.enter_context(ray_session(*plugin_specs(job)))
+            ray_up = session.enter_context(ray_session(*plugin_specs(job)))
+            placed = place(job, largest, ray_up.local_only)  # (before the data is prepared)
             manifest = preflight.prepare_checked(job.data, paths, checks, log, plan)
-        return _run(job, paths, record, record_uri, name, manifest, largest, timings, started_s, log, callbacks,
-                    initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
+        return _run(job, paths, record, record_uri, name, manifest, largest, placed, timings, started_s, log,
+                    callbacks, initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
 
 
 def plugin_specs(job: JobConfig) -> list[str]:
@@ -105,7 +110,70 @@ def plugin_specs(job: JobConfig) -> list[str]:
     return [*family_of(job.model.name).plugins(job.model), *source_of(job.data.source).plugins(job.data)]
 
 
-def _run(job, paths, record, record_uri, name, manifest, largest, timings, started, log, callbacks,
+def place(job: JobConfig, largest: Optional[list[NodeGroup]],
+          local_only: bool) -> tuple[WorkerResources, PlacementDecision, Optional[list[NodeGroup]]]:
+    """Once Ray is up, before the run starts: what each worker holds, whether the group can be
+    placed, and the cluster at its largest where known; UserError (exit 2) when the cluster cannot
+    hold the group and cannot grow to."""
+    if largest is None:  # (what an autoscaler published in Ray's GCS, where one did)
+        published = autoscaler_node_groups()
+        largest = [NodeGroup(resources, count) for resources, count in published] if published else None
+    workers = worker_resources(job.scaling, _ray().cluster_resources(), summed(largest) if largest else None)
+    decision = decide_placement(job.scaling, workers.per_worker, live_nodes(), largest, local_only)
+    if decision.action == "refuse":
+        raise UserError(decision.message)
+    return workers, decision, largest
+
+
+def live_nodes() -> list[dict[str, float]]:
+    return [dict(node.get("Resources") or {}) for node in _ray().nodes() if node.get("Alive")]
+
+
+def _ray():
+    import ray  # (lazy: ray)
+
+    return ray
+
+
+# How often a run that waits for the autoscaler looks at the cluster again (it says so every 30 s).
+WAIT_POLL_S = 5.0
+
+
+@contextmanager
+def waiting_for_nodes(job: JobConfig, workers: WorkerResources, decision: PlacementDecision,
+                      largest: Optional[list[NodeGroup]], log: Callable[[str], None],
+                      clock: Callable[[], float] = time.monotonic):
+    """For the `with` block (the fit): while the group waits for nodes the autoscaler may add, say
+    so on the console, with the pending demand, every 30 s (placement.decide_wait decides)."""
+    if decision.action != "wait":
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        since, said, message, fits = clock(), None, decision.message, False
+        while True:
+            wait = decide_wait(message, since, said, clock(), fits)
+            if wait.say:
+                log(wait.say)
+                said = clock()
+            if wait.done or stop.wait(WAIT_POLL_S):
+                return
+            try:
+                now = decide_placement(job.scaling, workers.per_worker, live_nodes(), largest, local_only=False)
+            except Exception:  # (Ray is being shut down: the run has ended)
+                return
+            fits, message = now.action == "start", now.message or message
+
+    thread = threading.Thread(target=watch, name="placement-wait", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _run(job, paths, record, record_uri, name, manifest, largest, placed, timings, started, log, callbacks,
          initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
@@ -114,20 +182,19 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
     timings["data_ready"] = time.time()
     # Ray joined (or started) first: a cluster that cannot be joined (a wrong RAY_ADDRESS, no token)
     # is refused before the run writes anything or starts its MLflow run.
-    with ray_session(*plugin_specs(job)):
-        import ray  # (lazy: ray)
-
+    with ray_session(*plugin_specs(job)) as ray_up:
         timings["ray_ready"] = time.time()
+        # A group the cluster cannot hold is refused here: before the run writes anything.
+        workers, decision, largest = placed or place(job, largest, ray_up.local_only)
         tracker, watch = _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags,
                                 targets, on_start)
         timings["tracking_ready"] = time.time()
         try:
-            workers = worker_resources(job.scaling, ray.cluster_resources(), largest)
-            result = fit(job, paths, manifest.root, tracker, workers,
-                                 callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
-        except KeyboardInterrupt:
-            tracker.finish("KILLED")
-            watch.end("stopped", "interrupted")
+            with waiting_for_nodes(job, workers, decision, largest, log):
+                result = fit(job, paths, manifest.root, tracker, workers,
+                             callbacks=(*watch.callbacks(), *callbacks), initial_checkpoint=initial_checkpoint)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (training/run/interrupt.py): resumable
+            _interrupted(tracker, watch, exc)
             raise
         except BaseException as exc:
             tracker.finish("FAILED")
@@ -152,6 +219,9 @@ def _run(job, paths, record, record_uri, name, manifest, largest, timings, start
                                             "first_step": metrics.get("first_step_time")}})
     try:
         finalize(job, manifest, result, checkpoint, tracker, summary, log)
+    except KeyboardInterrupt as exc:
+        _interrupted(tracker, watch, exc)
+        raise
     except BaseException as exc:
         watch.end("failed", _error_line(exc))
         raise
@@ -179,8 +249,19 @@ def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, m
     return tracker, RunWatch.start(name, paths, tracker, targets, log)
 
 
+def _interrupted(tracker, watch, exc: BaseException) -> None:
+    """The run stopped on purpose, resumable: MLflow's run KILLED, status.json `interrupted`."""
+    watch.end("interrupted", interrupt.reason(exc))  # (first: the record that makes it resumable)
+    tracker.finish("KILLED")
+
+
 def _error_line(exc: BaseException) -> str:
-    return last_line(exc) if not isinstance(exc, RunFailed) else redact(str(exc))[:500]
+    """The failure's line for status.json: an error whose text says nothing by itself (Ray's
+    SystemExit(1), an exception without a message) is named by its type."""
+    if isinstance(exc, RunFailed):
+        return redact(str(exc))[:500]
+    line = last_line(exc)
+    return line if any(c.isalpha() for c in line) else f"{type(exc).__name__}: {line}"
 
 
 def start_tracking(job: JobConfig, paths: RunPaths, record: Optional[Record], name: str,

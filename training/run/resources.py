@@ -21,6 +21,12 @@ from training.errors import UserError
 
 
 @dataclass(frozen=True)
+class NodeGroup:
+    resources: dict[str, float]  # one node's logical resources
+    count: float                 # nodes of this shape (math.inf: the autoscaler sets no bound)
+
+
+@dataclass(frozen=True)
 class WorkerResources:
     use_gpu: bool                   # `scaling.use_gpu`, with `auto` resolved for this cluster
     per_worker: dict[str, float]    # what one training worker holds (Ray Train's resources_per_worker)
@@ -40,6 +46,12 @@ def maximum_resources() -> Optional[dict[str, float]]:
     `$TRAINING_CLUSTER_CONFIG` (only the head's environment says which cluster it is: a job's
     `tracking.cluster_config` prices a run, it does not move it), or None without one. Node types
     whose resources the config leaves to autodetection are not counted (they are unknown here)."""
+    groups = maximum_node_groups()
+    return None if groups is None else summed(groups)
+
+
+def maximum_node_groups() -> Optional[list[NodeGroup]]:
+    """The nodes of the cluster at its largest, by shape (see maximum_resources), or None."""
     path = os.environ.get("TRAINING_CLUSTER_CONFIG")
     if not path:
         return None
@@ -48,14 +60,17 @@ def maximum_resources() -> Optional[dict[str, float]]:
         config = load_cluster_yaml(os.path.expanduser(path))
     except ConfigError as exc:
         raise UserError(f"$TRAINING_CLUSTER_CONFIG: {exc}") from None
-    return launcher_maximum(config)
+    return launcher_node_groups(config)
 
 
 def launcher_maximum(config: dict[str, Any]) -> dict[str, float]:
+    return summed(launcher_node_groups(config))
+
+
+def launcher_node_groups(config: dict[str, Any]) -> list[NodeGroup]:
     types = config.get("available_node_types") or {}
     head_type = config.get("head_node_type")
-    total: dict[str, float] = {}
-    _add(total, (types.get(head_type) or {}).get("resources") or {}, 1)
+    groups = [NodeGroup(_floats((types.get(head_type) or {}).get("resources") or {}), 1)]
     room = config.get("max_workers", math.inf)
     # The autoscaler prefers higher-priority types; fill the cluster's worker cap in that order.
     workers = sorted(((name, spec) for name, spec in types.items() if name != head_type),
@@ -64,8 +79,31 @@ def launcher_maximum(config: dict[str, Any]) -> dict[str, float]:
         spec = spec or {}
         count = min(int(spec.get("max_workers", 0)), room)
         room -= count
-        _add(total, spec.get("resources") or {}, count)
+        groups.append(NodeGroup(_floats(spec.get("resources") or {}), count))
+    return groups
+
+
+def summed(groups: list[NodeGroup]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.resources.items():
+            total[key] = total.get(key, 0.0) + value * group.count
     return total
+
+
+def within(need: dict[str, float], resources: dict[str, float]) -> bool:
+    return all(resources.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+
+def describe(resources: dict) -> str:
+    """`CPU 4, GPU 1`: the resources a person reads (see shown_keys)."""
+    return ", ".join(f"{k} {resources[k]:g}" for k in sorted(shown_keys(resources)))
+
+
+def shown_keys(resources: dict) -> list[str]:
+    """CPUs, GPUs and custom resources; not Ray's own (node ids, memory, object store, accelerator types)."""
+    return [k for k in resources if k in ("CPU", "GPU") or not k.startswith(
+        ("node:", "memory", "object_store", "accelerator"))]
 
 
 def use_gpus(now: dict[str, float], maximum: Optional[dict[str, float]]) -> bool:
@@ -73,6 +111,5 @@ def use_gpus(now: dict[str, float], maximum: Optional[dict[str, float]]) -> bool
     return now.get("GPU", 0) > 0 or bool(maximum and maximum.get("GPU", 0) > 0)
 
 
-def _add(total: dict[str, float], resources: dict, count: int) -> None:
-    for key, value in resources.items():
-        total[key] = total.get(key, 0.0) + float(value) * count
+def _floats(resources: dict) -> dict[str, float]:
+    return {key: float(value) for key, value in resources.items()}

@@ -18,6 +18,7 @@ from training.adaptors import ray_private
 from training.errors import UserError, first_line
 from training.plugins import plugin_module_paths
 from training.redaction import redact
+from training.run.interrupt import keep_handlers
 from training.run.paths import in_submitted_job
 
 # Read by the Ray Train controller when it starts, so they must be set before Ray starts a run.
@@ -70,8 +71,9 @@ def ray_session(*plugin_specs: str, env: Optional[dict[str, str]] = None, own_cl
     # Started locally, Ray includes the dashboard: it serves the state API that Ray Train's
     # placement-group cleaner needs.
     try:
-        ray.init(address=address, log_to_driver=log_to_driver, num_cpus=os.cpu_count() if own_cluster else None,
-                 runtime_env={"py_modules": plugin_paths, "excludes": UPLOAD_EXCLUDES} if plugin_paths else None)
+        with keep_handlers():  # (Ctrl-C and SIGTERM stay the driver's: training/run/interrupt.py)
+            ray.init(address=address, log_to_driver=log_to_driver, num_cpus=os.cpu_count() if own_cluster else None,
+                     runtime_env={"py_modules": plugin_paths, "excludes": UPLOAD_EXCLUDES} if plugin_paths else None)
     except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # (no token here / the wrong one)
         if address == "local":
             raise
