@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional
 
+from training import storage
 from training.errors import UserError, exit_code
+from training.run.console import RunLog
+from training.run.paths import base_dir
 from tuning import config as sweep_config
-from tuning.sweep import run_sweep
+from tuning.console import sweep_console
+from tuning.sweep import run_sweep, sweep_dir
 
 EPILOG = """\
 examples:
@@ -26,6 +31,8 @@ changes the base job config of every trial (train.max_steps, optim.name, ...).
 Resume: a sweep whose name exists in storage is resumed (the name defaults to the sweep file's),
 so after the driver dies the same command continues it.
 Ray: joins the cluster at $RAY_ADDRESS (set inside a Ray job), else starts a local one.
+Console: one line per trial event; Tune's tables and the trials' own output are in the sweep's log
+(<storage>/sweeps/<name>/sweep.log, named at the end).
 exit codes: 0 finished, 1 the sweep failed, 2 bad input (nothing started)."""
 
 
@@ -50,10 +57,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"sweep {sweep.name}: {sweep.config.num_samples} sample(s) of "
           + ", ".join(f"{path} ~ {dim.describe()}" for path, dim in sweep.space.items()), flush=True)
 
-    def sweep_and_report() -> None:
-        summary = run_sweep(sweep)
-        print(f"sweep {summary.name} finished in {summary.wall_s:.0f} s: "
-              + ", ".join(f"{sum(r.status == s for r in summary.rows)} {s}" for s in ("finished", "stopped", "failed")),
-              flush=True)
+    path = sweep_dir(sweep)
+    log = RunLog(Path(path) / "sweep.log" if not storage.is_remote(path)
+                 else Path(base_dir()) / "logs" / f"sweep-{sweep.name}.log")
 
-    return exit_code(sweep_and_report, interrupted="run the same command to resume the sweep")
+    def sweep_and_report() -> None:
+        # (an error leaves the console first: exit_code's message is shown whatever the router does)
+        with sweep_console(log) as say:
+            summary = run_sweep(sweep, log=say, started=log.start)
+            counts = ", ".join(f"{sum(r.status == s for r in summary.rows)} {s}"
+                               for s in ("finished", "stopped", "failed"))
+            say(f"sweep {summary.name} finished in {summary.wall_s:.0f} s: {counts}")
+
+    code = exit_code(sweep_and_report, interrupted="run the same command to resume the sweep")
+    if log.started:
+        print(f"log: {log.path}", flush=True)
+    return code

@@ -34,8 +34,12 @@ def tune_config(sweep: Sweep, max_concurrent_trials: int):
     cfg = sweep.config
     # reuse_actors off (Tune's default, which PBT invites changing): a trial runs its training run in
     # a thread of its actor, and only the actor's end ends the run's Train controller and workers.
+    # Tune applies max_concurrent_trials by wrapping a Searcher (Optuna) in a ConcurrencyLimiter; the
+    # random and grid generator limits itself (its max_concurrent), and Tune would only warn that it
+    # ignores the setting.
+    limit = max_concurrent_trials if cfg.search.algorithm == "optuna" else None
     return tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
-                           max_concurrent_trials=max_concurrent_trials, reuse_actors=False,
+                           max_concurrent_trials=limit, reuse_actors=False,
                            search_alg=_search(sweep, max_concurrent_trials), scheduler=_scheduler(sweep))
 
 

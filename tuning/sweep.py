@@ -52,10 +52,12 @@ def read_state(sweep: Sweep) -> Optional[Record]:
     return Record.read(storage.join(sweep_dir(sweep), STATE_FILE), sweep.name, f"sweep storage {sweep_dir(sweep)}")
 
 
-def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
-    """Run (or resume) a sweep to the end. UserError before anything starts on bad input."""
+def run_sweep(sweep: Sweep, log: Callable[[str], None] = print,
+              started: Optional[Callable[[], None]] = None) -> SweepSummary:
+    """Run (or resume) a sweep to the end. UserError before anything starts on bad input. `started`
+    is called once the checks have passed and the sweep begins (its log file may be opened then)."""
 
-    started = time.monotonic()
+    started_s = time.monotonic()
     # The base job's webhooks are the sweep's (its trials do not post); a variable not set: exit 2 now.
     targets = [t for t in notify.resolve(sweep.base.tracking.notify) if set(t.events) & set(notify.SWEEP_EVENTS)]
     state = read_state(sweep)
@@ -75,6 +77,8 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
 
     check_cluster_to_join()  # (a RAY_ADDRESS where nothing answers: refused before the parent run exists)
 
+    if started is not None:
+        started()
     parent = report.start_parent(sweep, paths, state)
     path = sweep_dir(sweep)
     state_uri = storage.join(path, STATE_FILE)
@@ -92,7 +96,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print) -> SweepSummary:
             _notify(sweep, summary, parent, targets, "failed", log, error=f"{type(exc).__name__}: {exc}")
         raise
     state.write(state_uri)
-    summary.wall_s = time.monotonic() - started
+    summary.wall_s = time.monotonic() - started_s
     parent.finish("FINISHED")
     _notify(sweep, summary, parent, targets, "finished", log)
     return summary
@@ -130,6 +134,7 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
     from ray import tune  # (lazy: ray)
 
     from tuning import resources  # (Ray, and its placement groups)
+    from tuning.events import SweepEvents  # (lazy: ray.tune)
     from tuning.trial import TrialSetup, train_trial  # (lazy: ray.train, torch)
 
     largest = maximum_resources()  # None: no launcher config on this machine
@@ -168,8 +173,10 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
                 tune_config=schedule.tune_config(sweep, decision.trials),
                 run_config=tune.RunConfig(
                     name=sweep.name, storage_path=storage.join(paths.storage_path, "sweeps"),
-                    callbacks=[release],
+                    callbacks=[release, SweepEvents(sweep.config.metric, sweep.config.scheduler.name,
+                                                    paths.storage_path)],
                     failure_config=tune.FailureConfig(max_failures=sweep.config.trial.max_failures),
+                    # (Tune's progress tables: the CLI keeps them in the sweep's log file)
                     checkpoint_config=tune.CheckpointConfig(num_to_keep=None), verbose=1))
         grid = tuner.fit()
         job_id = ray.get_runtime_context().get_job_id()
