@@ -37,7 +37,7 @@ from training.adaptors.ray_private import (
     trial_actor_id,
 )
 from training.config import JobConfig
-from training.run.resources import WorkerResources
+from training.run.resources import WorkerResources, describe, within
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,13 @@ def concurrency(requested: Optional[int], resources: TrialResources, cluster: di
     what fits now wait as demand the autoscaler sees. A request above what is safe is lowered:
     trial drivers would leave no room for any trial's workers, and every trial would wait."""
     one = _add(resources.driver, resources.min_workers)
-    fits = _within(one, cluster)
+    fits = within(one, cluster)
     capacity = {k: max(cluster.get(k, 0.0), (largest or {}).get(k, 0.0)) for k in set(cluster) | set(largest or {})}
     need = ", ".join(f"{k} {v:g}" for k, v in resources.total().items())
-    if largest is not None and not _within(one, capacity):
+    if largest is not None and not within(one, capacity):
         return ConcurrencyDecision(1, fits, f"one trial needs {need}; the cluster's autoscaler grows it to at most "
                                    f"{describe(capacity)}", fits_at_largest=False)
-    if not _within(one, capacity):
+    if not within(one, capacity):
         return ConcurrencyDecision(requested or 1, False,
                                    f"one trial needs {need}; the cluster has {describe(cluster)} now: trials wait "
                                    "for the autoscaler to add nodes")
@@ -102,17 +102,8 @@ def concurrency(requested: Optional[int], resources: TrialResources, cluster: di
     return ConcurrencyDecision(requested, fits, note)
 
 
-def _within(need: dict[str, float], resources: dict[str, float]) -> bool:
-    return all(resources.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-
-
 def _add(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
-
-
-def describe(resources: dict) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU") or not k.startswith(
-        ("node:", "memory", "object_store", "accelerator")))
 
 
 def orphaned_groups(job_id: str) -> list[str]:

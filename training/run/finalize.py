@@ -20,7 +20,7 @@ from training import storage
 from training.checkpoint import format as ckpt
 from training.config import JobConfig
 from training.data.registry import source_of
-from training.metrics import KEY_METRICS, PLOTTED
+from training.metrics import KEY_METRICS, PLOTTED, mlflow_name
 from training.models.family import ModelSection
 from training.models.registry import build_model, family_of
 from training.observe.notify import mlflow_run_url
@@ -98,7 +98,8 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
                                f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
         client = mlflow.MlflowClient(tracker.tracking_uri)
         score_metric = job.checkpoint.score_metric
-        final = registry.link_final_metrics(client, tracker.run_id, info.model_id, (*KEY_METRICS, score_metric))
+        final = registry.link_final_metrics(client, tracker.run_id, info.model_id, 
+                                                   [mlflow_name(k) for k in (*KEY_METRICS, score_metric)])
         logged = {"model_uri": info.model_uri, "model_id": info.model_id, "model_format": model_format,
                   "model_metrics": final, "registered_model": None, "registered_version": None}
         if job.tracking.register_model:
