@@ -49,10 +49,13 @@ def batch_digests(steps: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         z = (np.asarray(sample_ids, dtype=np.uint64)
              + np.asarray(steps, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return np.sum(z >> np.uint64(24), axis=1, dtype=np.uint64) % np.uint64(DIGEST_MODULUS)
+        scratch = np.empty_like(z)  # (then in place: a chunk's temporaries would each be new memory)
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z ^= np.right_shift(z, np.uint64(shift), out=scratch)
+            z *= np.uint64(factor)
+        z ^= np.right_shift(z, np.uint64(31), out=scratch)
+        z >>= np.uint64(24)
+    return np.sum(z, axis=1, dtype=np.uint64) % np.uint64(DIGEST_MODULUS)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,11 @@ def _numbers(column: pa.ChunkedArray, dtype, name: str) -> np.ndarray:
 
 def _list_matrix(column: pa.ChunkedArray, dtype, name: str) -> np.ndarray:
     column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # (one chunk: no copy)
-    flat = column.flatten()
+    if pa.types.is_fixed_size_list(column.type) and not column.null_count:  # (arrays() refused null rows)
+        size = column.type.list_size  # its values as they lie: flatten() finds the same slice, 2-4x as slowly
+        flat = column.values.slice(column.offset * size, len(column) * size)
+    else:
+        flat = column.flatten()
     if flat.null_count:
         raise DataError(f"column {name!r} has null values in its lists; every value must be there")
     values = _numbers(pa.chunked_array([flat]), dtype, name)

@@ -141,6 +141,7 @@ class FileReader:
         self.open_files = OpenFiles(self._open, max_open_files)
         self._closed = threading.Event()
         self._filesystems: dict[str, pafs.FileSystem] = {}
+        self._paths: dict[int, tuple[pafs.FileSystem, str]] = {}
 
     def close(self) -> None:
         """Closes the open files; reads waiting to retry give up at once (a closed loader's
@@ -169,8 +170,13 @@ class FileReader:
         return OpenFile(fs.open_input_file(path), pre_buffer=storage.is_remote(self.files[index]["uri"]))
 
     def _path(self, index: int) -> tuple[pafs.FileSystem, str]:
-        """The file's filesystem and path there: one filesystem per bucket (an S3 client is costly to
-        make, and each keeps its connections), made at its first read."""
+        """The file's filesystem and path there, worked out at its first read (each read checks it)."""
+        if index not in self._paths:
+            self._paths[index] = self._resolve(index)
+        return self._paths[index]
+
+    def _resolve(self, index: int) -> tuple[pafs.FileSystem, str]:
+        """One filesystem per bucket (an S3 client is costly to make, and each keeps its connections)."""
         uri = self.files[index]["uri"]
         if not storage.is_remote(uri) or "?" in uri:  # (options in the URI: pyarrow reads them)
             return storage.filesystem(uri)

@@ -149,12 +149,14 @@ def distinct(groups: np.ndarray) -> np.ndarray:
 
 def _take_rows(array: np.ndarray, index: np.ndarray) -> np.ndarray:
     """array[index] along the first axis; a row of many values is taken as one opaque item (a
-    memcpy each, where numpy would walk its values)."""
+    memcpy each, where numpy would walk its values). The index is in range by construction (a slot's
+    first row plus a row within the group): numpy's default mode, which checks every index and
+    raises, takes about 1.6x as long as "clip"."""
     rows = array.reshape(len(array), -1)
     if array.ndim == 1 or not rows.shape[1]:
-        return np.take(array, index, axis=0)
+        return np.take(array, index, axis=0, mode="clip")
     opaque = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
-    return np.take(opaque, index).view(array.dtype).reshape((len(index),) + array.shape[1:])
+    return np.take(opaque, index, mode="clip").view(array.dtype).reshape((len(index),) + array.shape[1:])
 
 
 def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -168,9 +170,10 @@ def gather(cache: RowGroupCache, groups: np.ndarray, rows: np.ndarray) -> dict[s
         if len(wanted) and wanted[-1] - wanted[0] < 2**16:  # (a table by id: a pass, where a search takes five)
             table = np.empty(wanted[-1] - wanted[0] + 1, dtype=np.int64)
             table[unique - wanted[0]] = first
-            index = table[groups - wanted[0]] + rows
+            index = table[groups - wanted[0]]
         else:
-            index = first[np.searchsorted(unique, groups)] + rows
+            index = first[np.searchsorted(unique, groups)]
+        index += rows  # (in place: each temporary of a chunk's size is new memory, faulted in page by page)
         return {name: _take_rows(slab, index) for name, slab in cache.columns().items()}
     finally:
         cache.release()

@@ -78,25 +78,33 @@ class PartitionStream:
     def __init__(self, segments: list[tuple[int, int, int]], seed: int, epoch: int, partition: int, window: int):
         self.groups = np.array([g for g, _, _ in segments], dtype=np.int64)
         self.first_rows = np.array([first for _, first, _ in segments], dtype=np.int64)
-        counts = np.array([n for _, _, n in segments], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(counts)])  # first position of each segment
+        self.counts = np.array([n for _, _, n in segments], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)])  # first position of each segment
         self._shift = self.first_rows - self.starts[:-1]  # a position's row in its group, less the position
         self.rows = int(self.starts[-1])
         self.window, self.seed, self.epoch, self.partition = window, seed, epoch, partition
-        self._perms: dict[int, np.ndarray] = {}
+        self._windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        largest = max(int(self.groups.max(initial=0)), int((self.first_rows + self.counts).max(initial=0)))
+        self._table_type = np.int32 if largest < 2**31 else np.int64  # (a window's tables: 8 bytes a row)
 
     def _window_bounds(self, w: int) -> tuple[int, int]:
         first, last = w * self.window, min((w + 1) * self.window, len(self.groups))
         return int(self.starts[first]), int(self.starts[last])
 
-    def _perm(self, w: int) -> np.ndarray:
-        if w not in self._perms:
+    def _window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row group id, row within it) of each position of window w, from its first: the window's
+        rows permuted (seeded), worked out once for the chunks that read the window."""
+        if w not in self._windows:
             lo, hi = self._window_bounds(w)
-            rng = np.random.default_rng([self.seed, self.epoch, self.partition, w, 0x5EED])
-            if len(self._perms) >= 3:  # a chunk's windows and the next chunk's (read ahead)
-                self._perms.pop(min(self._perms))
-            self._perms[w] = rng.permutation(hi - lo)
-        return self._perms[w]
+            flat = np.random.default_rng([self.seed, self.epoch, self.partition, w, 0x5EED]).permutation(hi - lo)
+            first, last = w * self.window, min((w + 1) * self.window, len(self.groups))
+            slots = np.repeat(np.arange(first, last), self.counts[first:last])[flat]  # each row's segment
+            flat += lo
+            if len(self._windows) >= 3:  # a chunk's windows and the next chunk's (read ahead)
+                self._windows.pop(min(self._windows))
+            self._windows[w] = (self.groups[slots].astype(self._table_type),
+                                np.add(self._shift[slots], flat, dtype=self._table_type))
+        return self._windows[w]
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row group id, row within the group) for each stream position, the positions ascending
@@ -107,11 +115,27 @@ class PartitionStream:
             for w in range(int(first), int(last) + 1):
                 lo, hi = self._window_bounds(w)
                 a, b = np.searchsorted(positions, (lo, hi))
-                flat = self._perm(w)[positions[a:b] - lo] + lo
-                segment = w * self.window  # (the window's segments: its rows are permuted among them)
-                slots = np.searchsorted(self.starts[segment + 1:segment + self.window], flat, side="right") + segment
-                groups[a:b] = self.groups[slots]
-                rows[a:b] = self._shift[slots] + flat
+                window_groups, window_rows = self._window(w)
+                if b > a and positions[b - 1] - positions[a] == b - a - 1:  # a run of positions: a slice
+                    at = slice(int(positions[a]) - lo, int(positions[b - 1]) - lo + 1)
+                else:
+                    at = positions[a:b] - lo
+                groups[a:b], rows[a:b] = window_groups[at], window_rows[at]
+        return groups, rows
+
+    def locate_run(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """`locate` of positions start..stop: slices of the windows' tables."""
+        assert 0 <= start <= stop <= self.rows, f"positions {start}..{stop} outside a stream of {self.rows} rows"
+        groups, rows = np.empty(stop - start, dtype=np.int64), np.empty(stop - start, dtype=np.int64)
+        w = int(np.searchsorted(self.starts, start, side="right") - 1) // self.window
+        position = start
+        while position < stop:
+            lo, hi = self._window_bounds(w)
+            end = min(stop, hi)
+            window_groups, window_rows = self._window(w)
+            groups[position - start:end - start] = window_groups[position - lo:end - lo]
+            rows[position - start:end - start] = window_rows[position - lo:end - lo]
+            position, w = end, w + 1
         return groups, rows
 
 
@@ -128,20 +152,20 @@ class EpochPlan:
     def rows_of(self, first: int, count: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(row group ids, rows within them) of rows lo..hi of global batches first..first+count,
         batch after batch, each in partition order: shape (count, hi - lo)."""
-        groups, rows = [], []
-        steps = np.arange(first, first + count, dtype=np.int64)[:, None]
+        groups, rows = np.empty((count, hi - lo), np.int64), np.empty((count, hi - lo), np.int64)
         for p, stream in enumerate(self.streams):
             a, b = max(lo, int(self.offsets[p])), min(hi, int(self.offsets[p + 1]))
             if a >= b:
                 continue
-            positions = steps * int(self.parts[p]) + np.arange(a - int(self.offsets[p]), b - int(self.offsets[p]))
-            g, r = stream.locate(positions.ravel())
-            groups.append(g.reshape(count, -1))
-            rows.append(r.reshape(count, -1))
-        if not groups:
-            return np.empty((count, 0), np.int64), np.empty((count, 0), np.int64)
-        return np.hstack(groups), np.hstack(rows)
-
+            part = int(self.parts[p])
+            if b - a == part:  # the partition's whole part of each batch: a run of its stream
+                g, r = stream.locate_run(first * part, (first + count) * part)
+            else:
+                steps = np.arange(first, first + count, dtype=np.int64)[:, None]
+                positions = steps * part + np.arange(a - int(self.offsets[p]), b - int(self.offsets[p]))
+                g, r = stream.locate(positions.ravel())
+            groups[:, a - lo:b - lo], rows[:, a - lo:b - lo] = g.reshape(count, -1), r.reshape(count, -1)
+        return groups, rows
 
     def groups_ahead(self, step: int, lo: int, hi: int) -> list[int]:
         """Row group ids of the window after the one that global batch `step` reads, in each partition
@@ -235,7 +259,8 @@ class StreamingShard:
             step_bytes = sum(v.nbytes for v in columns.values()) // count
             self.chunk_steps = int(np.clip(CHUNK_BYTES // max(1, step_bytes), 1, self._window_steps))
             self._chunk = (first, count, {k: v.reshape((count, -1) + v.shape[1:]) for k, v in columns.items()})
-            self._chunk_ids = self._group_start[groups] + rows
+            self._chunk_ids = self._group_start[groups]
+            self._chunk_ids += rows
             self._chunk_digests = batch_digests(np.arange(first, first + count), self._chunk_ids)
             if self.read_ahead:
                 self._next = self._locate_chunk(first + count)
