@@ -173,7 +173,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it(cluster, workdir):
 
     _, run = loss_history(workdir, "elastic")
     sizes = {int(m.value) for m in __import__("mlflow").tracking.MlflowClient(
-        f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, "world_size")}
+        f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, mlflow_name("world_size"))}
     assert sizes == {1, 2}
     assert outcome["summary"].metrics["val_accuracy"] >= 0.9
     # One global batch of 32 at every world size: exactly the global batches of the data order, step
@@ -230,7 +230,7 @@ def test_a_node_drained_for_preemption_costs_no_steps(cluster, workdir, capfd):
 
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     _, run = loss_history(workdir, "spot")
-    sizes = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, "world_size")}
+    sizes = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, mlflow_name("world_size"))}
     # (the final save's own report can miss tracking: the controller registers a report after the
     # worker made it, and the drained node may go first; its checkpoint is what the run resumed from)
     assert max(step for step, size in sizes.items() if size == 2) <= saved[-1]
