@@ -56,15 +56,23 @@ class Task:
         """(shape, what sizes it) of the logits a model must return for `rows` rows."""
         raise NotImplementedError
 
+    def logits_fit(self, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+        """Whether logits of `shape` serve where logits_shape gives `expected`."""
+        return shape == expected
+
     def model_input(self, batch: dict):
         return self.inputs_and_targets(batch)[0]
+
+    def call(self, model, batch: dict, inputs):
+        """The model's output for a batch whose input is `inputs`."""
+        return model(inputs)
 
     def forward_loss(self, model, batch: dict, count_correct: bool = False):
         """Summed loss, units, and (for evaluation) correct predictions; training skips the argmax."""
         import torch.nn.functional as F  # (torch, not at import: the config path does not load it)
 
         inputs, targets = self.inputs_and_targets(batch)
-        logits = logits_of(model(inputs))
+        logits = logits_of(self.call(model, batch, inputs))
         if logits.dim() > 2:  # (a prediction per token: one row each)
             logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
@@ -114,10 +122,42 @@ class LanguageModel(Task):
     def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
         return (rows, spec["seq_len"], spec["vocab_size"]), f"vocab_size {spec['vocab_size']}"
 
+    def logits_fit(self, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+        # More logits than the data's vocabulary serve: a pretrained model's embeddings are often
+        # padded beyond its tokenizer's ids (the loss never targets the extra ones).
+        return shape[:-1] == expected[:-1] and shape[-1] >= expected[-1]
+
+
+class SequenceClassification(Task):
+    """One label per row of tokens: `tokens` (seq_len ids, padded with the tokenizer's pad id),
+    `attention` (1 for a real token, 0 for padding), `label`. The model is called as
+    `model(tokens, attention)` and returns [rows, num_classes] logits."""
+
+    def inputs_and_targets(self, batch: dict):
+        return batch["tokens"], batch["label"]
+
+    def call(self, model, batch: dict, inputs):
+        return model(inputs, batch["attention"])
+
+    def units_per_sample(self, spec: dict) -> int:
+        return 1
+
+    def tokens_per_sample(self, spec: dict) -> Optional[int]:
+        return spec.get("seq_len")
+
+    def sample(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["seq_len"]), "int64"
+
+    def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
+
 
 CLASSIFICATION = Classification("classification", (("x", "float32"), ("y", "int64")), (VAL_LOSS, VAL_ACCURACY),
                                 ("input_dim", "num_classes"))
 LANGUAGE_MODEL = LanguageModel("language_model", (("tokens", "int64"),),
                                (VAL_LOSS, VAL_PERPLEXITY, VAL_TOKEN_ACCURACY), ("vocab_size", "seq_len"))
-TASKS = {task.name: task for task in (CLASSIFICATION, LANGUAGE_MODEL)}
+SEQUENCE_CLASSIFICATION = SequenceClassification(
+    "sequence_classification", (("tokens", "int64"), ("attention", "int8"), ("label", "int64")),
+    (VAL_LOSS, VAL_ACCURACY), ("vocab_size", "num_classes"))
+TASKS = {task.name: task for task in (CLASSIFICATION, LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION)}
 ALL_VALIDATION_METRICS = tuple(dict.fromkeys(m for task in TASKS.values() for m in task.validation_metrics))

@@ -9,6 +9,12 @@ path): a family imports its network where it builds it.
     tasks                    the tasks it learns (training/tasks.py); empty: any
     blocks(model)            the repeated units FSDP shards one by one and activation
                              checkpointing recomputes (none: only the root is sharded)
+    check_shardable(model)   UserError if FSDP cannot shard the model as the family means it to
+                             (the driver asks, on the meta device, before a run with fsdp starts)
+    loads_after_sharding(section), load_after_sharding(section, model, device)
+                             for weights read from files under FSDP: the workers build the model on
+                             the meta device, shard it, then the family allocates it on the device
+                             and has each worker read only its shards (a pretrained model)
     flops_per_token(model)   training FLOPs per token, for MFU (None: unknown)
     plugins(section)         import strings Ray ships to the cluster
     exports_onnx             whether its final model is exported to ONNX by default
@@ -66,6 +72,15 @@ class ModelFamily:
 
     def blocks(self, model) -> list:
         return []
+
+    def check_shardable(self, model) -> None:
+        return None
+
+    def loads_after_sharding(self, section: ModelSection) -> bool:
+        return False
+
+    def load_after_sharding(self, section: ModelSection, model, device) -> None:
+        raise NotImplementedError
 
     def flops_per_token(self, model) -> Optional[float]:
         return None

@@ -5,7 +5,7 @@ import string names a plug-in (training/models/plugin.py)."""
 from __future__ import annotations
 
 from training.errors import UserError
-from training.models import digits, gpt, plugin
+from training.models import digits, gpt, hf, plugin
 from training.models.family import ModelFamily, ModelSection, check_spec
 from training.registry import Registry
 
@@ -13,6 +13,7 @@ MODELS: Registry[ModelFamily] = Registry("model", "name", "model", [
     digits.MLP_FAMILY,
     digits.CNN_FAMILY,
     gpt.FAMILY,
+    hf.FAMILY,
 ], plugin.FAMILY)
 
 ModelConfig = MODELS.union

@@ -21,7 +21,7 @@ from training.data.source import DataCheck, DataPlan, DataSection
 from training.data.stream import RowGroup, steps_per_epoch
 from training.errors import ConfigError, UserError, first_line, one_line
 from training.models.family import ModelSection
-from training.models.registry import build_model, check_fits_task
+from training.models.registry import build_model, check_fits_task, family_of
 from training.redaction import redact
 from training.run.cost import cluster_config_path
 from training.run.paths import RunPaths
@@ -73,7 +73,7 @@ def job_checks(job: JobConfig, paths: RunPaths, partitions: Optional[int] = None
 
     def check(task: str, spec: dict, rows: dict) -> None:
         check_fits_task(job.model, task)
-        check_model_builds(job.model, task, spec)
+        check_model_builds(job.model, task, spec, sharded=job.parallel.strategy == "fsdp")
         check_metric_names(job, task)
         check_batch_fits(job.train, rows["train"], partitions)
         check_profile_fits(job.train, rows["train"])
@@ -170,14 +170,17 @@ def check_profile_fits(train: TrainConfig, train_rows: int) -> None:
     check_profile_range(train.profile, steps, f"train.epochs {train.epochs:g} of {train_rows} rows")
 
 
-def check_model_builds(model_section: ModelSection, task: str, spec: dict) -> None:
+def check_model_builds(model_section: ModelSection, task: str, spec: dict, sharded: bool = False) -> None:
     """Build the model on the meta device (no memory, any size): a plug-in that cannot be imported,
-    rejects its options or returns something else fails here, before anything starts."""
+    rejects its options or returns something else fails here, before anything starts; `sharded`
+    (fsdp): a model its family cannot shard too."""
     import torch  # (torch: once the data is known, not on the config path)
 
     with torch.device("meta"):
         model = build_model(model_section, {"task": task, **spec})
     check_model_shapes(model_section.name, model, task, spec)
+    if sharded:
+        family_of(model_section.name).check_shardable(model)
 
 
 def check_model_shapes(name: str, model, task_name: str, spec: dict) -> None:
@@ -208,7 +211,7 @@ def check_model_shapes(name: str, model, task_name: str, spec: dict) -> None:
     except TypeError:
         raise UserError(f"model.name {name}: forward returns {type(output).__name__}, not a tensor of logits "
                         "or an object with .logits") from None
-    if tuple(logits.shape) != expected:
+    if not task.logits_fit(tuple(logits.shape), expected):
         raise UserError(f"model.name {name}: forward on input {list(batch.shape)} returns logits of shape "
                         f"{list(logits.shape)}; the data needs {list(expected)} ({unit})")
 

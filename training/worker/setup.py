@@ -8,6 +8,7 @@ A fresh run is a resume from step 0.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -157,14 +158,21 @@ def start_worker(config: WorkerConfig) -> Worker:
     policy = StepPolicy.of(config.train, config.checkpoint, total_steps)
 
     family = family_of(config.model.name)
+    sharded = parallel.shards_parameters(config.parallel)
+    # Weights read from files under FSDP (a pretrained model): built on the meta device, sharded, then
+    # each worker reads only its shards; never the whole model per worker.
+    load_after_sharding = sharded and family.loads_after_sharding(config.model)
     torch.manual_seed(config.seed)  # the same initial weights on every worker
-    model = family.build(config.model, spec).to(device)
+    with torch.device("meta") if load_after_sharding else contextlib.nullcontext():
+        model = family.build(config.model, spec)
+    model = model if load_after_sharding else model.to(device)
     wrap = functools.partial(parallel.wrap, config=config.parallel, device=device, blocks=family.blocks(model),
                              compile=config.train.compile)
     mode = failure.worker(WorkerContext(rank, world_size, config.train.global_batch_size, total_steps, device, policy,
                                         wrap, ray.train.get_preemption_info))
     train_model = mode.wrap(model)  # (FSDP shards in place: the optimizer is built after)
-    sharded = parallel.shards_parameters(config.parallel)
+    if load_after_sharding:
+        family.load_after_sharding(config.model, model, device)
     optimizer = build_optimizer(config.optim, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.optim, total_steps))
     state = resume(config.run_dir, config.initial_checkpoint, model, optimizer, scheduler, sharded,

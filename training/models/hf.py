@@ -1,0 +1,112 @@
+"""The `hf` family (built on the workers, checked on the driver): a Hugging Face `transformers` model,
+from an inline architecture (`config`) or a pretrained folder (`pretrained`: local, or s3:// and
+other pyarrow URIs, read once per node). Its network, and every check of the folder:
+training/models/hf_nn.py.
+
+    model:
+      name: hf
+      options: {config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, ...}}
+
+What it learns (`task`): causal_lm, the `language_model` data (token rows); sequence_classification,
+the `sequence_classification` data (padded token rows, their attention mask, a label).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import field_validator, model_validator
+
+from training.models.family import ModelFamily, ModelSection
+from training.schema import Section, printable
+from training.tasks import LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
+
+# The model's task -> the data's (training/tasks.py).
+DATA_TASK = {"causal_lm": LANGUAGE_MODEL.name, "sequence_classification": SEQUENCE_CLASSIFICATION.name}
+
+
+class HFOptions(Section):
+    # A folder written by `save_pretrained` (config.json and *.safetensors): a local path or a URI.
+    pretrained: Optional[str] = None
+    # Or an architecture to train from scratch: a transformers config's keys, `model_type` among them.
+    # vocab_size (and num_labels) left out are the data's.
+    config: Optional[dict[str, Any]] = None
+    task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # Run the Python code a pretrained folder ships for an architecture transformers does not have.
+    trust_remote_code: bool = False
+
+    @field_validator("pretrained")
+    @classmethod
+    def _printable(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty: a folder written by save_pretrained, or an s3:// URI of one")
+        return printable(value)
+
+    @field_validator("config")
+    @classmethod
+    def _has_model_type(cls, value: Optional[dict]) -> Optional[dict]:
+        if value is not None and not (isinstance(value.get("model_type"), str) and value["model_type"]):
+            raise ValueError("needs a model_type (an architecture of transformers, e.g. llama, bert)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "HFOptions":
+        if (self.pretrained is None) == (self.config is None):
+            raise ValueError("set exactly one of pretrained (a folder of weights) and config (an inline architecture); "
+                             f"{'both are' if self.pretrained is not None else 'neither is'} set")
+        return self
+
+
+class HFModel(ModelSection):
+    name: Literal["hf"] = "hf"
+    options: HFOptions
+
+
+class HFFamily(ModelFamily):
+    name = "hf"
+    Config = HFModel
+    tasks = tuple(DATA_TASK.values())
+    exports_onnx = False  # (its final model is an HF folder: training/run/hf_export.py)
+
+    def build(self, section: HFModel, spec: dict):
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        return hf_nn.build(section.options, spec, DATA_TASK[section.options.task])
+
+    def blocks(self, model) -> list:
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        return hf_nn.layers(model)
+
+    def check_shardable(self, model) -> None:
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        hf_nn.check_layers(model)
+
+    def loads_after_sharding(self, section: HFModel) -> bool:
+        return section.options.pretrained is not None
+
+    def load_after_sharding(self, section: HFModel, model, device) -> None:
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        hf_nn.load_sharded(section.options, model, device)
+
+    def flops_per_token(self, model) -> Optional[float]:
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        return hf_nn.flops_per_token(model)
+
+    def hf_model(self, model):
+        """The transformers.PreTrainedModel the family built (for save_pretrained and export)."""
+        return model
+
+    def hf_folder(self, section: HFModel) -> Optional[str]:
+        """The local folder of the pretrained weights (read once per node); None for an inline config."""
+        from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
+
+        return hf_nn.local_folder(section.options) if section.options.pretrained else None
+
+
+FAMILY = HFFamily()
