@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import rows
 from bench.common import REPO, machine
 from bench.continuous import continuous
+from bench.hf_load import hf_load
 from bench.report import markdown, update_readme
 from bench.streaming import driver_memory, streaming
 from bench.system_metrics import system_metrics
@@ -21,7 +22,7 @@ from bench.tokenizing import tokenizing
 from training.run.session import ray_session
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenize_memory",
-        "tokenizing", "recovery",
+        "hf_load", "tokenizing", "recovery",
         "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
 
 
@@ -65,6 +66,8 @@ def main(argv=None) -> int:
             timed("driver_memory", lambda: driver_memory(args.quick))
         if "tokenize_memory" in wanted:  # fresh processes, no Ray
             timed("tokenize_memory", lambda: rows.tokenize_memory(args.quick))
+        if "hf_load" in wanted:  # fresh gloo processes, no Ray
+            timed("hf_load", lambda: hf_load(args.quick))
         if "cold_start" in wanted and not args.quick:  # first: it starts its own Ray, and must find none running
             timed("cold_start", lambda: rows.cold_start(args.quick))
         import ray  # (lazy: ray)
@@ -155,6 +158,10 @@ def ratios(rows_: dict) -> dict:
         found[f"driver_prepare_peak_rss_10x_vs_1x_{source}"] = value["large_vs_small_peak_rss"]
     if "tokenize_memory" in rows_:
         found["tokenize_single_document_peak_rss_64mb_vs_4mb"] = rows_["tokenize_memory"]["large_vs_small_peak_rss"]
+    if "hf_load" in rows_:
+        found["hf_sharded_load_rss_growth_vs_checkpoint"] = rows_["hf_load"]["sharded_rss_growth_vs_checkpoint"]
+        found["hf_whole_load_rss_growth_vs_checkpoint"] = rows_["hf_load"]["whole_rss_growth_vs_checkpoint"]
+        found["hf_sharded_load_vs_raw_safetensors_read"] = rows_["hf_load"]["sharded_load_vs_raw_read"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

@@ -152,6 +152,17 @@ def markdown(results: dict) -> str:
                      f"(imports alone {v['imports_peak_rss_mb']} MB) | **{v['large_vs_small_peak_rss']:.2f}** "
                      "(target <= 1.2) | the preparing process's whole peak, each in a fresh process; a document "
                      "is encoded in pieces |")
+    if "hf_load" in r:
+        v = r["hf_load"]
+        lines.append(f"| HF sharded load | peak RSS growth per worker {v['sharded_rss_growth_vs_checkpoint']:.2f}x the "
+                     f"checkpoint ({v['checkpoint_mb']:.0f} MB) sharded vs {v['whole_rss_growth_vs_checkpoint']:.2f}x "
+                     f"whole; load {v['sharded_load_s']:.1f} s vs raw read {v['raw_read_s']:.1f} s | "
+                     f"**{v['sharded_rss_growth_vs_checkpoint']:.2f}** (target <= 0.6); time vs raw read "
+                     f"**{v['sharded_load_vs_raw_read']:.2f}** (min {v['sharded_load_vs_raw_read_min']:.2f}, max "
+                     f"{v['sharded_load_vs_raw_read_max']:.2f}) | a Llama of {v['parameters_m']:.0f}M fp32 parameters, "
+                     f"{v['workers']} workers (gloo), FSDP2 per layer + root, each rank reading its rows "
+                     f"(load_sharded) vs each loading it whole (from_pretrained); medians of {v['rounds']} "
+                     "interleaved rounds, fresh processes |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

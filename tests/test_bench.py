@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # tests/test_chaos_continue.py runs, and the sweep row, two Tune sweeps whose ASHA path
 # tests/test_tuning_ray.py runs (its files and arithmetic: tests/test_bench_math.py). Quick mode
 # leaves those out unless asked for (bench/__main__.py).
-ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,cold_start,overhead,data_path,tokenizing,gpu,"
-                      "system_metrics",
+ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,hf_load,cold_start,overhead,data_path,"
+                      "tokenizing,gpu,system_metrics",
             "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
 LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
 
@@ -51,6 +51,8 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert {"parquet", "text"} == set(rows["driver_memory"])
     assert rows["tokenize_memory"]["large_mb"] > 4 * rows["tokenize_memory"]["small_mb"]
     assert rows["tokenize_memory"]["large_vs_small_peak_rss"] > 0
+    assert rows["hf_load"]["sharded_rss_growth_vs_checkpoint"] > 0 and rows["hf_load"]["sharded_load_vs_raw_read"] > 0
+    assert "| HF sharded load |" in table
     assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"]
                for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]
