@@ -287,6 +287,9 @@ class JobConfig(Section):
         refusal = FAILURE_MODES[self.failure.mode].refuses(self)
         if refusal:
             raise ConfigError(refusal)
+        bind_model = getattr(self.data, "bind_model", None)  # (a source that reads the model's files: its tokenizer)
+        if bind_model is not None:
+            bind_model(self.model)
         return self
 
 

@@ -133,6 +133,13 @@ def _pieces(docs: Iterator[str], piece_chars: int) -> Iterator[tuple[str, bool]]
 
 
 def _jsonl(fs, path: str, uri: str, field: str, limit_bytes: Optional[int]) -> Iterator[str]:
+    for text, _, _ in _jsonl_records(fs, path, uri, field, None, limit_bytes):
+        yield text
+
+
+def _jsonl_records(fs, path: str, uri: str, field: str, label: Optional[str],
+                   limit_bytes: Optional[int]) -> Iterator[tuple[str, object, str]]:
+    """(text, label or None, "line N") of each non-blank line."""
     compression = next((s for s in COMPRESSED_JSONL if uri.lower().endswith(s)), None)
     if compression is not None:
         codec, magic = COMPRESSED_JSONL[compression]
@@ -156,7 +163,10 @@ def _jsonl(fs, path: str, uri: str, field: str, limit_bytes: Optional[int]) -> I
                 text = record[field]
                 if not isinstance(text, str):
                     raise DataError(f"{uri} line {number}: {field!r} is {type(text).__name__}, not text")
-                yield text
+                if label is not None and record.get(label) is None:
+                    raise DataError(f"{uri} line {number}: no {label!r} field (or null); set "
+                                    "data.options.label_column to the field that holds each document's label")
+                yield text, None if label is None else record[label], f"line {number}"
                 seen += len(line)
                 if limit_bytes and seen >= limit_bytes:
                     return
@@ -218,3 +228,55 @@ def _rows_per_batch(parquet: pq.ParquetFile, column: str) -> int:
     widest = max((metadata.row_group(g).column(index).total_uncompressed_size / metadata.row_group(g).num_rows
                   for g in range(metadata.num_row_groups) if metadata.row_group(g).num_rows), default=1)
     return int(max(1, min(1 << 16, BATCH_BYTES // max(widest, 1))))
+
+
+def records(uri: str, fmt: str, text_column: str, label_column: str,
+            limit_bytes: Optional[int] = None) -> Iterator[tuple[str, object, str]]:
+    """(text, label, where) of each row of a JSON Lines or Parquet file: a classification table, one
+    document per row; `where` names the row ("line 12", "row group 3") for messages. A label as the
+    file holds it (an int or a str; a JSON file may hold anything: the caller checks). A row with
+    no text or no label is a DataError naming it."""
+    fs, path = storage.filesystem(uri)
+    if fmt == "jsonl":
+        yield from _jsonl_records(fs, path, uri, text_column, label_column, limit_bytes)
+    elif fmt == "parquet":
+        yield from _parquet_records(fs, path, uri, text_column, label_column, limit_bytes)
+    else:
+        raise DataError(f"{uri} is a text file (one document, no fields): data.options.label_column needs JSON "
+                        "Lines or Parquet, a row per document")
+
+
+def _parquet_records(fs, path: str, uri: str, column: str, label: str,
+                     limit_bytes: Optional[int]) -> Iterator[tuple[str, object, str]]:
+    try:
+        handle = fs.open_input_file(path)
+        parquet = pq.ParquetFile(handle, buffer_size=READ_BYTES, pre_buffer=False)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{uri} is not a readable Parquet file: {first_line(exc, 200)}") from None
+    with handle:
+        schema = parquet.schema_arrow
+        for name, option in ((column, "text_column"), (label, "label_column")):
+            if name not in schema.names:
+                raise DataError(f"{uri} has no column {name!r} (it has: {', '.join(schema.names)}): set "
+                                f"data.options.{option}")
+        kind = schema.field(column).type
+        if not _is_text(kind.value_type if pa.types.is_dictionary(kind) else kind):
+            raise DataError(f"{uri}: column {column!r} holds {kind}, not text")
+        kind = schema.field(label).type
+        kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+        if not (pa.types.is_integer(kind) or _is_text(kind)):
+            raise DataError(f"{uri}: column {label!r} holds {kind}: data.options.label_column must hold integers "
+                            "(class ids from 0) or strings (class names)")
+        seen, batch_rows = 0, _rows_per_batch(parquet, column)
+        for group in range(parquet.metadata.num_row_groups):
+            for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[column, label]):
+                texts, labels = batch.column(0), batch.column(1)
+                if texts.null_count or labels.null_count:
+                    which = column if texts.null_count else label
+                    raise DataError(f"{uri} row group {group}: column {which!r} has null values; every row needs a "
+                                    "text and a label")
+                for text, value in zip(texts.to_pylist(), labels.to_pylist()):
+                    yield text, value, f"row group {group}"
+                    seen += len(text)
+                if limit_bytes and seen >= limit_bytes:
+                    return

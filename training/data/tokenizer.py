@@ -1,22 +1,30 @@
 """Runs in the driver: the `text` source's tokenizer. A Hugging Face `tokenizers` file the user
-gives, or a byte-level BPE trained on a deterministic sample of the training files; either is saved
-beside the tokenized data as tokenizer.json and logged to the run in MLflow."""
+gives, the pretrained model's own (training/data/model_tokenizer.py), or a byte-level BPE trained on
+a deterministic sample of the training files; each is saved beside the tokenized data as
+tokenizer.json and logged to the run in MLflow."""
 
 from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from training import storage, topics
 from training.data.files import DataFile
+from training.data.model_tokenizer import read_model_tokenizer
 from training.data.text_read import documents, format_of
 from training.data.tokenize import encode
 from training.errors import DataError, UserError, first_line
 
 EOS = "<|endoftext|>"  # the end-of-document token of a tokenizer trained here (id 0)
+# A tokenizer trained here for a classification table also has these (ids 1 and 2): rows are padded
+# with PAD, and begin with CLS, the position a BERT-style encoder classifies from.
+PAD, CLS = "<|pad|>", "<|cls|>"
+# A tokenizer file's padding token, when pad_token is not given: the first it has of these, else its EOS.
+PAD_CANDIDATES = ("[PAD]", "<pad>", PAD, "<|finetune_right_pad_id|>")
 # A tokenizer file's end-of-document token, when eos_token is not given: the first of these it has.
 EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 TOKENIZER_FILE = "tokenizer.json"
@@ -31,11 +39,34 @@ def hash_rank(files: list[DataFile]) -> list[DataFile]:
 CHECK_BYTES = 64 << 10
 
 
-def load_tokenizer(options, first: Optional[DataFile] = None):
-    """(content of the tokenizer file or None, eos id). UserError naming the option if it fails, or
-    if the tokenizer cannot encode the start of `first` (a training file)."""
+@dataclass(frozen=True)
+class ChosenTokenizer:
+    """The tokenizer a plan tokenizes with, as far as it is known before preparing."""
+
+    json: Optional[str]  # the file's content (None: trained during preparation)
+    eos_id: int
+    bos_id: Optional[int] = None  # put before each document (a model's own, see model_tokenizer)
+    pad_id: Optional[int] = None  # rows of a classification table are padded with it
+    model_vocab_size: Optional[int] = None  # the model's embedding rows (from_model): the data's vocab_size
+    origin: str = "trained"  # what the manifest records
+
+
+def load_tokenizer(options, first: Optional[DataFile] = None, model_folder: Optional[str] = None) -> ChosenTokenizer:
+    """The plan's tokenizer. UserError naming the option if it fails, or if the tokenizer cannot
+    encode the start of `first` (a training file). `model_folder`: model.options.pretrained, for
+    tokenizer.from_model."""
+    if options.tokenizer.from_model:
+        model = read_model_tokenizer(model_folder, options.eos_token)
+        tokenizer = Tokenizer.from_str(model.tokenizer_json)
+        if first is not None:
+            check_encodes(tokenizer, first, options, f"the tokenizer of model.options.pretrained {model_folder}")
+        pad = options.pad_token or model.pad_token
+        pad_id = model.eos_id if pad is None else _token_id(tokenizer, pad, "data.options.pad_token", model_folder)
+        return ChosenTokenizer(model.tokenizer_json, model.eos_id, model.bos_id, pad_id, model.model_vocab_size,
+                               f"model {model_folder}")
     if options.tokenizer.file is None:
-        return None, 0  # trained here: EOS is its first special token (byte-level: it encodes any text)
+        # trained here: EOS is its first special token (byte-level: it encodes any text), PAD its second
+        return ChosenTokenizer(None, 0, pad_id=1 if options.label_column else None)
 
     where = options.tokenizer.file
     try:
@@ -49,14 +80,25 @@ def load_tokenizer(options, first: Optional[DataFile] = None):
         token = tokenizer.token_to_id(name)
         if token is not None:
             if first is not None:
-                check_encodes(tokenizer, first, options)
-            return content, token
+                check_encodes(tokenizer, first, options, f"data.options.tokenizer.file is {where}")
+            pads = [options.pad_token] if options.pad_token else PAD_CANDIDATES
+            pad_id = next((tokenizer.token_to_id(p) for p in pads if tokenizer.token_to_id(p) is not None), None)
+            if pad_id is None and options.pad_token:
+                _token_id(tokenizer, options.pad_token, "data.options.pad_token", where)
+            return ChosenTokenizer(content, token, pad_id=token if pad_id is None else pad_id, origin=where)
     option = "data.options.eos_token" if options.eos_token else "data.options.tokenizer.file"
     raise UserError(f"{option}: {where} has no end-of-document token {' or '.join(map(repr, names))}"
                     + ("" if options.eos_token else "; set data.options.eos_token to the one it has"))
 
 
-def check_encodes(tokenizer, first: DataFile, options) -> None:
+def _token_id(tokenizer, token: str, option: str, where: str) -> int:
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise UserError(f"{option}: {token!r} is not a token of the tokenizer of {where}")
+    return found
+
+
+def check_encodes(tokenizer, first: DataFile, options, named: str) -> None:
     """A tokenizer that loads may still fail on text (a model with no unknown token whose vocabulary
     lacks a character): tried on the start of the first training file, before anything is written."""
     batch = next(iter(documents(first.uri, format_of(first.uri, options.format), options.text_column,
@@ -66,7 +108,7 @@ def check_encodes(tokenizer, first: DataFile, options) -> None:
     try:
         encode(tokenizer, batch, 0, first.uri)
     except DataError as exc:
-        raise UserError(f"{exc}; data.options.tokenizer.file is {options.tokenizer.file}") from None
+        raise UserError(f"{exc}; {named}") from None
 
 
 def sample_documents(files: list[DataFile], options, sample_bytes: int):
@@ -93,13 +135,17 @@ def train_tokenizer(files: list[DataFile], options):
     """A byte-level BPE (every byte has a token: any text encodes, and decodes back exactly)."""
 
     training = options.tokenizer.train
+    classify = options.label_column is not None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=training.vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=training.vocab_size, special_tokens=[EOS, PAD, CLS] if classify else [EOS],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(sample_documents(files, options, training.sample_bytes), trainer=trainer)
     assert tokenizer.token_to_id(EOS) == 0
+    if classify:
+        assert (tokenizer.token_to_id(PAD), tokenizer.token_to_id(CLS)) == (1, 2)
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{CLS} $A", special_tokens=[(CLS, 2)])
     return tokenizer
 
 
@@ -116,10 +162,10 @@ def tokenizer_of(text_plan, log: Callable[[str], None]):
     preparation loads the one it trained)."""
 
     saved = storage.join(text_plan.root, TOKENIZER_FILE)
-    if text_plan.tokenizer_json is not None:
+    if text_plan.tokenizer.json is not None:
         if not storage.exists(saved):
-            write_atomically(saved, text_plan.tokenizer_json)
-        return Tokenizer.from_str(text_plan.tokenizer_json)
+            write_atomically(saved, text_plan.tokenizer.json)
+        return Tokenizer.from_str(text_plan.tokenizer.json)
     if storage.exists(saved):
         return Tokenizer.from_str(storage.read_text(saved))
     started = time.monotonic()
