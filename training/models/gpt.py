@@ -63,5 +63,11 @@ class GPTFamily(ModelFamily):
     def flops_per_token(self, model) -> Optional[float]:
         return model.flops_per_token()
 
+    def hf_model(self, model):
+        """The trained network as a `transformers` GPT2LMHeadModel, for an HF folder (exact: see to_gpt2)."""
+        from training.models.gpt_nn import to_gpt2  # (torch: see training/models/family.py)
+
+        return to_gpt2(model)
+
 
 FAMILY = GPTFamily()

@@ -75,6 +75,45 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def to_gpt2(model: GPT):
+    """The same network as a `transformers` GPT2LMHeadModel (weights copied): it maps exactly, so
+    `from_pretrained` of its saved folder gives this model's logits. Learned position embeddings,
+    pre-LayerNorm blocks with biases and PyTorch's LayerNorm eps (1e-5, GPT-2's `layer_norm_epsilon`),
+    attention scaled by 1/sqrt(head dim), q, k, v split in that order, the exact (erf) GELU that
+    nn.GELU() computes (GPT-2's `gelu`; its checkpoints use `gelu_new`, the tanh approximation, which
+    would differ by up to ~1e-3), a head tied to the token embedding. GPT-2's Conv1D stores weights
+    as [in, out]: every Linear's weight is transposed. Only training differs: this model drops out
+    attention weights and the MLP's output, GPT-2 also the attention's output and the embeddings
+    (the dropout rate is given to all; none in eval)."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # (lazy: transformers)
+
+    d_model, blocks = model.token_embedding.embedding_dim, list(model.blocks)
+    config = GPT2Config(vocab_size=model.token_embedding.num_embeddings, n_positions=model.seq_len, n_embd=d_model,
+                        n_layer=len(blocks), n_head=blocks[0].n_head, n_inner=4 * d_model,
+                        activation_function="gelu", layer_norm_epsilon=model.ln_f.eps,
+                        resid_pdrop=blocks[0].dropout, embd_pdrop=blocks[0].dropout, attn_pdrop=blocks[0].dropout,
+                        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    assert all(isinstance(b.mlp[1], nn.GELU) and b.mlp[1].approximate == "none" for b in blocks)
+    assert all(ln.eps == model.ln_f.eps for b in blocks for ln in (b.ln_1, b.ln_2))
+    state = {"transformer.wte.weight": model.token_embedding.weight,
+             "transformer.wpe.weight": model.position_embedding.weight,
+             "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
+    for i, block in enumerate(blocks):
+        pairs = {"ln_1": block.ln_1, "ln_2": block.ln_2, "attn.c_attn": block.qkv, "attn.c_proj": block.proj,
+                 "mlp.c_fc": block.mlp[0], "mlp.c_proj": block.mlp[2]}
+        for name, module in pairs.items():
+            linear = isinstance(module, nn.Linear)
+            state[f"transformer.h.{i}.{name}.weight"] = module.weight.t() if linear else module.weight
+            state[f"transformer.h.{i}.{name}.bias"] = module.bias
+    hf = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        missing, unexpected = hf.load_state_dict({k: v.detach() for k, v in state.items()},
+                                                 strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # (tied to wte)
+    return hf.eval()
+
+
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -1,5 +1,6 @@
 """On the driver, after a run: checkpoints that `checkpoint.keep` outlived removed, the final model
-logged to MLflow (and registered), a learning-curve plot, a summary."""
+written as a Hugging Face folder into the run's storage (<run_dir>/hf, for the families that have one)
+and logged to MLflow (and registered), a learning-curve plot, a summary."""
 
 from __future__ import annotations
 
@@ -21,23 +22,17 @@ from training.checkpoint import format as ckpt
 from training.config import JobConfig
 from training.data.registry import source_of
 from training.metrics import KEY_METRICS, PLOTTED, mlflow_name
-from training.models.family import ModelSection
-from training.models.registry import build_model, family_of
+from training.models.registry import family_of
 from training.observe.notify import mlflow_run_url
 from training.redaction import redact, redact_values
+from training.run import hf_export
 from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 from training.run.export import export_onnx
+from training.run.final_model import load_final_model
 from training.tasks import TASKS, logits_of
 from training.tracking import registry
 from training.tracking.tracker import RUN_NAME_TAG, fluent_mlflow
 from training.worker.profile import PROFILE_DIR
-
-
-def load_final_model(model_section: ModelSection, manifest, checkpoint) -> torch.nn.Module:
-    model = build_model(model_section, {"task": manifest.task, **manifest.spec})
-    with checkpoint.as_directory() as directory:  # a sharded (fsdp) checkpoint is consolidated here
-        model.load_state_dict(ckpt.load_model_state(directory, model))
-    return model.eval()
 
 
 def sample_input(manifest) -> torch.Tensor:
@@ -65,37 +60,20 @@ def logged_model_name(job: JobConfig) -> str:
 
 
 def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict:
-    """Log the final model in `tracking.model_format` ("pt2", a torch.export graph that loads without
-    unpickling anything, or "pickle", opted into, for what cannot be exported), link the run's final
-    metrics to it, and register it (training/tracking/registry.py). The exported graph takes any
-    batch size: MLflow marks the signature's batch dimension (-1) dynamic when it exports."""
+    """Log the final model, link the run's final metrics to it, and register it
+    (training/tracking/registry.py). A model that is a `transformers` model (the hf family) with a
+    tokenizer and a pipeline task: MLflow's transformers flavor, which serving stacks and
+    `mlflow.transformers.load_model` (a pipeline) read. Else `tracking.model_format` (log_pytorch_model)."""
     import mlflow  # (lazy: mlflow)
-    import mlflow.pytorch  # (lazy: mlflow.pytorch)
-    from mlflow.models import infer_signature  # (lazy: mlflow)
 
-    sample = sample_input(manifest)
-    with torch.no_grad():
-        raw = model(sample)
-    signature = infer_signature(sample.numpy(), logits_of(raw).numpy())  # the batch dimension is left dynamic (-1)
-    model_format = job.tracking.model_format
-    by_format = {}
-    if model_format == "pickle":  # unpickling imports the model's classes: ship this package with it
-        by_format["code_paths"] = [str(Path(__file__).resolve().parents[1])]
-    # The example is shown in MLflow's UI and checked by it (the logged model called on it); pt2 is
-    # traced on it. A pickled model whose forward returns an object (`.logits`) would fail the check.
-    if model_format == "pt2" or torch.is_tensor(raw):
-        by_format["input_example"] = sample.numpy()
+    transformers_model = as_transformers_model(job, manifest, model)
     with fluent_mlflow(tracker.tracking_uri), mlflow.start_run(run_id=tracker.run_id):
-        try:
-            info = mlflow.pytorch.log_model(
-                model, name=logged_model_name(job), signature=signature, serialization_format=model_format,
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"], **by_format)
-        except Exception as exc:
-            if model_format != "pt2":
-                raise
-            raise RuntimeError("the model could not be exported with torch.export for tracking.model_format pt2; "
-                               "set tracking.model_format: pickle to log it as a pickle (loading one runs code) "
-                               f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
+        if transformers_model is not None:
+            model_format = "transformers"
+            info = hf_export.log_transformers_model(*transformers_model, name=logged_model_name(job))
+        else:
+            model_format = job.tracking.model_format
+            info = log_pytorch_model(job, manifest, model, model_format)
         client = mlflow.MlflowClient(tracker.tracking_uri)
         score_metric = job.checkpoint.score_metric
         final = registry.link_final_metrics(client, tracker.run_id, info.model_id, 
@@ -105,6 +83,56 @@ def log_model(job: JobConfig, manifest, model: torch.nn.Module, tracker) -> dict
         if job.tracking.register_model:
             logged.update(register_model(job, manifest, client, info.model_id, tracker.run_id))
     return logged
+
+
+def as_transformers_model(job: JobConfig, manifest, model: torch.nn.Module):
+    """(model, tokenizer, pipeline task) when the trained network is itself a `transformers` model
+    whose data task has a pipeline and a tokenizer goes with it; else None. A network converted
+    into one (the built-in gpt as GPT-2) keeps its own flavor: its folder is logged beside it (hf/)."""
+    if not hf_export.exports_hf(job.model):
+        return None
+    task = hf_export.pipeline_task(manifest.task)
+    if task is None:
+        return None
+    hf = hf_export.hf_model(job.model, model)
+    if not hf_export.is_transformers_model(model, hf):
+        return None
+    tokenizer = hf_export.hf_tokenizer(job.model, job.data.options, manifest)
+    if tokenizer is None:
+        return None
+    hf_export.with_special_tokens(hf, tokenizer)
+    return hf, tokenizer, task
+
+
+def log_pytorch_model(job: JobConfig, manifest, model: torch.nn.Module, model_format: str):
+    """Log the final model in `model_format` ("pt2", a torch.export graph that loads without
+    unpickling anything, or "pickle", opted into, for what cannot be exported) inside the active run;
+    returns the ModelInfo. The exported graph takes any batch size: MLflow marks the signature's batch
+    dimension (-1) dynamic when it exports."""
+    import mlflow.pytorch  # (lazy: mlflow.pytorch)
+    from mlflow.models import infer_signature  # (lazy: mlflow)
+
+    sample = sample_input(manifest)
+    with torch.no_grad():
+        raw = model(sample)
+    signature = infer_signature(sample.numpy(), logits_of(raw).numpy())  # the batch dimension is left dynamic (-1)
+    by_format = {}
+    if model_format == "pickle":  # unpickling imports the model's classes: ship this package with it
+        by_format["code_paths"] = [str(Path(__file__).resolve().parents[1])]
+    # The example is shown in MLflow's UI and checked by it (the logged model called on it); pt2 is
+    # traced on it. A pickled model whose forward returns an object (`.logits`) would fail the check.
+    if model_format == "pt2" or torch.is_tensor(raw):
+        by_format["input_example"] = sample.numpy()
+    try:
+        return mlflow.pytorch.log_model(
+            model, name=logged_model_name(job), signature=signature, serialization_format=model_format,
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"], **by_format)
+    except Exception as exc:
+        if model_format != "pt2":
+            raise
+        raise RuntimeError("the model could not be exported with torch.export for tracking.model_format pt2; "
+                           "set tracking.model_format: pickle to log it as a pickle (loading one runs code) "
+                           f"[{type(exc).__name__}: {str(exc)[:200]}]") from exc
 
 
 def register_model(job: JobConfig, manifest, client, model_id: str, run_id: str) -> dict:
@@ -204,6 +232,9 @@ def finalize(job: JobConfig, manifest, result, checkpoint, tracker, summary, log
     # A machine-readable result next to the checkpoints, with or without tracking; written first so
     # that it is there whatever happens to MLflow, and again once the model is logged.
     storage.write_text(summary_uri, json.dumps(summary_dict(summary), indent=2, default=str))
+    model = None
+    if checkpoint is not None and hf_export.exports_hf(job.model):
+        model = write_run_hf_folder(job, manifest, checkpoint, summary, log)
     if checkpoint is not None and tracker.run_id is not None:
         if not tracker.catch_up():  # the metrics first (the plot reads them back), and is MLflow there?
             summary.extra["mlflow_model_logged"] = False
@@ -212,7 +243,7 @@ def finalize(job: JobConfig, manifest, result, checkpoint, tracker, summary, log
         else:
             log_profile_traces(tracker, summary.run_dir, log)
             try:
-                log_final_artifacts(job, manifest, checkpoint, tracker, summary, log)
+                log_final_artifacts(job, manifest, checkpoint, tracker, summary, log, model=model)
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
                 log(redact(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
@@ -243,12 +274,46 @@ def log_profile_traces(tracker, run_dir: str, log) -> list[str]:
     return names
 
 
-def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, log=print) -> None:
-    """`checkpoint`: the run's last (training.checkpoint.restore.final_checkpoint)."""
-    model = load_final_model(job.model, manifest, checkpoint)
+def write_run_hf_folder(job: JobConfig, manifest, checkpoint, summary, log) -> Optional[torch.nn.Module]:
+    """The final model as a Hugging Face folder in <run_dir>/hf (training/run/hf_export.py); returns
+    the loaded model (logged next). A failure only warns: the model is in the checkpoint, and
+    `python -m training export` writes the folder again from it."""
+    out = storage.join(summary.run_dir, hf_export.HF_DIR)
+    try:
+        model = load_final_model(job.model, manifest, checkpoint)
+        summary.extra["hf_files"] = hf_export.write_hf_folder(job, manifest, checkpoint, out, model=model)
+    except Exception as exc:
+        summary.extra["hf_exported"] = False
+        log(redact(f"warning: the Hugging Face folder was not written to {out} ({type(exc).__name__}: "
+                   f"{str(exc)[:300]}); `python -m training export {summary.name} --format hf --out DIR` "
+                   "writes it from the checkpoint"))
+        return None
+    summary.extra.update(hf_exported=True, hf_folder=out)
+    return model
+
+
+def log_hf_folder(tracker, folder_uri: str) -> None:
+    """The run's HF folder as the MLflow artifacts hf/ (copied through a local folder from remote storage)."""
+    if not storage.is_remote(folder_uri):
+        tracker.client.log_artifacts(tracker.run_id, storage.local_path(folder_uri), hf_export.HF_DIR)
+        return
+    fs, path = storage.filesystem(folder_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        tracker.client.log_artifacts(tracker.run_id, tmp, hf_export.HF_DIR)
+
+
+def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, log=print,
+                        model: Optional[torch.nn.Module] = None) -> None:
+    """`checkpoint`: the run's last (training.checkpoint.restore.final_checkpoint); `model`, loaded
+    from it already (else loaded here)."""
+    model = model if model is not None else load_final_model(job.model, manifest, checkpoint)
     logged = log_model(job, manifest, model, tracker)
     summary.registered_model = logged["registered_model"]
     summary.extra.update(logged)
+    # A model logged in its own flavor (the built-in gpt's pt2 graph) has its HF folder beside it.
+    if summary.extra.get("hf_folder") and logged["model_format"] != "transformers":
+        log_hf_folder(tracker, summary.extra["hf_folder"])
     experiment_id = tracker.client.get_run(tracker.run_id).info.experiment_id
     summary.extra["mlflow_url"] = mlflow_run_url(tracker.tracking_uri, experiment_id, tracker.run_id)
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,6 +346,8 @@ def summary_lines(summary) -> list[str]:
              + (" (resumed)" if summary.resumed else ""),
              "  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
              f"  checkpoint: {summary.checkpoint_path}"]
+    if summary.extra.get("hf_folder"):
+        lines.append(f"  Hugging Face folder: {redact(summary.extra['hf_folder'])}")
     if "samples_skipped" in summary.metrics:  # failure.mode continue
         lines.append(f"  steps taken by fewer than all replica groups: {int(summary.metrics.get('short_steps', 0))}; "
                      f"samples skipped: {int(summary.metrics['samples_skipped'])}")
