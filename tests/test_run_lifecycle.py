@@ -146,22 +146,13 @@ def test_ctrl_c_and_sigterm_stop_a_run_that_the_same_command_resumes(job):
             if second.poll() is None:
                 os.killpg(second.pid, signal.SIGKILL)
         out, err = text(job, "second")
-        assert "run life: resuming" in out and "resumed from step" in out + err, out[-2000:]
+        assert "run life: resuming" in out and f"resumed from step {step}" in out + err, out[-2000:]
         assert code == 143, out[-2000:] + err[-3000:]
         assert err.strip().splitlines()[-1] == "interrupted; run the same command with the same --name to resume"
         assert "KeyboardInterrupt" not in err and "SystemExit" not in err and "*** SIG" not in err, err[-3000:]
         shown, detail = status_of(job / "runs", "life")
         assert "run life: interrupted" in detail and "interrupted by SIGTERM" in detail, detail
         assert f"from step {newest_complete(run_dir)}" in detail
-
-        last = newest_complete(run_dir)
-        third = subprocess.run([sys.executable, "-m", "training", "job.yaml", "--name", "life",
-                                "--set", f"train.max_steps={last + 20}"], cwd=job, env=env_for(job, ray_dir),
-                               capture_output=True, text=True, timeout=400)
-        assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
-        assert f"resumed from step {last}" in third.stdout + third.stderr, third.stdout[-2000:]
-        assert f"run life finished: {last + 20} steps" in third.stdout
-        assert "run life: finished" in status_of(job / "runs", "life")[1]
 
 
 def test_a_worker_group_this_machine_cannot_hold_exits_2_before_the_run_starts(job):
