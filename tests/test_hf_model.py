@@ -69,6 +69,14 @@ def test_options_are_typed_and_exactly_one_source_is_set():
             hf(**options)
 
 
+def test_a_relative_pretrained_folder_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
+    """Ray's workers run in another working directory: the folder they load must not depend on it."""
+    monkeypatch.chdir(tmp_path)
+    assert hf(pretrained="runs/first/hf").options.pretrained == str(tmp_path / "runs" / "first" / "hf")
+    assert hf(pretrained="s3://models/llama/").options.pretrained == "s3://models/llama/"
+    assert hf(pretrained="file:///models/llama").options.pretrained == "/models/llama"
+
+
 def test_the_family_learns_both_tasks_and_is_torch_free_at_import():
     import subprocess
     import sys

@@ -13,10 +13,12 @@ the `sequence_classification` data (padded token rows, their attention mask, a l
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Optional
 
 from pydantic import field_validator, model_validator
 
+from training import storage
 from training.models.family import ModelFamily, ModelSection
 from training.schema import Section, printable
 from training.tasks import LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
@@ -42,7 +44,11 @@ class HFOptions(Section):
     def _printable(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not value.strip():
             raise ValueError("must not be empty: a folder written by save_pretrained, or an s3:// URI of one")
-        return printable(value)
+        if value is None or storage.is_remote(value):
+            return printable(value)
+        # A local folder relative to the driver's working directory, as data paths are: made absolute
+        # here, on the driver, because Ray's workers run in another working directory.
+        return printable(os.path.abspath(os.path.expanduser(storage.local_path(value))))
 
     @field_validator("config")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Optional
 
 from training.adaptors.ray_private import caused_by, torch_trainer_class, unplaceable_workers, worker_failures
 from training.config import JobConfig
-from training.errors import DataError, RunFailed, first_line, last_line
+from training.errors import DataError, RunFailed, UserError, first_line, last_line
 from training.failure.registry import FAILURE_MODES
 from training.run.paths import RunPaths
 from training.run.resources import WorkerResources
@@ -39,11 +39,12 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
         callbacks=[*run_callbacks(tracker, tracker.last_step("train_loss")), *callbacks],
         logging_config=ray.train.LoggingConfig(log_level="WARNING"))
     torch_config = FAILURE_MODES[job.failure.mode].torch_config(workers.use_gpu)
-    # A deterministic data error (a file gone, changed or corrupt) ends the run at once: a restart would
-    # read the same data and fail the same way, max_failures times (for ever with -1).
+    # A deterministic data error (a file gone, changed or corrupt) or bad input only a worker can see (a
+    # pretrained folder it cannot find) ends the run at once: a restart would fail the same way,
+    # max_failures times (for ever with -1).
     # A worker group that cannot be placed fails the run after failure.placement_timeout_s.
     trainer = torch_trainer_class()(
-        train_loop_per_worker, final_errors=(DataError,), placement_timeout_s=job.failure.placement_timeout_s,
+        train_loop_per_worker, final_errors=(DataError, UserError), placement_timeout_s=job.failure.placement_timeout_s,
         # (the workers never post: no webhook URL travels to them, nor into a checkpoint)
         train_loop_config=WorkerConfig.of(job, manifest_root, paths.run_dir, initial_checkpoint),
         scaling_config=scaling, run_config=run_config,
