@@ -40,7 +40,10 @@ STOPS_WITHIN_S = 10
 def own_ray_dir():
     """A RAY_TMPDIR for the runs of one test (short: Ray's socket paths), and at the end every
     process that inherited it stopped by its pid: what a run's own Ray left, if it left anything."""
-    directory = Path(tempfile.mkdtemp(prefix="lifecycle-", dir=os.environ.get("RAY_TMPDIR", "/tmp")))
+    # Directly under /tmp: inside the session's RAY_TMPDIR the dashboard's socket paths grow past the
+    # 107 bytes a Unix socket's path may have, and each run's Ray waits a minute for a dashboard that
+    # never starts ("Module MetricsHead failed to start").
+    directory = Path(tempfile.mkdtemp(prefix="lc-", dir="/tmp"))
     try:
         yield directory
     finally:
