@@ -102,12 +102,16 @@ def head_type(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def instance_type(node_type: dict[str, Any]) -> str | None:
-    return node_type.get("node_config", {}).get("InstanceType")
+    """The machine type: EC2's InstanceType, or the Azure ARM template's vmSize."""
+    node = node_type.get("node_config") or {}
+    return node.get("InstanceType") or (node.get("azure_arm_parameters") or {}).get("vmSize")
 
 
 def is_spot(node_type: dict[str, Any]) -> bool:
-    market = node_type.get("node_config", {}).get("InstanceMarketOptions", {})
-    return str(market.get("MarketType", "")).lower() == "spot"
+    node = node_type.get("node_config") or {}
+    market = node.get("InstanceMarketOptions") or {}
+    azure_priority = (node.get("azure_arm_parameters") or {}).get("priority", "")
+    return str(market.get("MarketType", "")).lower() == "spot" or str(azure_priority).lower() == "spot"
 
 
 def declared_gpus(node_type: dict[str, Any], gpus_by_instance: dict[str, int]) -> int:

@@ -14,6 +14,7 @@ from collections import Counter
 
 from cluster import ray_nodes
 from cluster.aws_facts import has_aws_credentials
+from cluster.azure_events import CLOUDS, DEFAULT_AZURE_METADATA_URL, ScheduledEventsClient, detect_cloud
 from cluster.chaos import ACTIONS, TRAIN_WORKER_CLASS, ChaosExecutor, ChaosPolicy, NothingToDo
 from cluster.checks import Status, any_failed, provider_type
 from cluster.config import DEFAULT_CLUSTER_FILE, ConfigError, load_and_prepare
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate", help="preflight checks before `ray up`")
     validate.add_argument("config", nargs="?", default=DEFAULT_CLUSTER_FILE)
-    validate.add_argument("--offline", action="store_true", help="skip live AWS checks even with credentials")
+    validate.add_argument("--offline", action="store_true", help="skip live AWS/Azure checks even with credentials")
     cost = sub.add_parser("cost", help="$/hour per node type and the cost and energy of a run")
     cost.add_argument("config", nargs="?", default=DEFAULT_CLUSTER_FILE)
     cost.add_argument("--hours", type=finite_float, default=1.0, help="run duration (default 1)")
@@ -61,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_spot_watcher_parser(sub) -> None:
-    watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption")
+    watcher = sub.add_parser("spot-watcher", help="on a worker node: drain it when EC2 announces a spot interruption "
+                             "or Azure a Spot eviction")
+    watcher.add_argument("--cloud", choices=CLOUDS, default="aws",
+                         help="aws (IMDSv2 spot notices, default), azure (Scheduled Events Preempt), or auto: "
+                              "whichever metadata service answers")
+    watcher.add_argument("--azure-metadata-url", default=DEFAULT_AZURE_METADATA_URL,
+                         help=f"Azure instance metadata service (default {DEFAULT_AZURE_METADATA_URL})")
     watcher.add_argument("--imds-url", default=DEFAULT_IMDS_URL,
                          help=f"instance metadata service (default {DEFAULT_IMDS_URL})")
     watcher.add_argument("--interval-s", type=finite_float, default=5.0,
@@ -110,13 +117,13 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.hours < 0 or (args.workers is not None and args.workers < 0):
         raise ConfigError("--hours and --workers must be >= 0")
     _, config = load_and_prepare(args.config)
-    if provider_type(config) != "aws":
+    if provider_type(config) not in ("aws", "azure"):
         print(f"{provider_type(config)} provider: machines you own; no hourly prices to show")
         return EXIT_OK
     table = load_price_table()
     source = f"cluster/prices.json as of {table.as_of}"
     spot = {}
-    if not args.offline and has_aws_credentials(os.environ):
+    if provider_type(config) == "aws" and not args.offline and has_aws_credentials(os.environ):
         try:
             spot = refresh_spot_prices(config)
             source += f"; spot from AWS spot price history ({config['provider']['region']}, now)"
@@ -124,11 +131,12 @@ def run_cost(args: argparse.Namespace) -> int:
             source += f"; spot refresh failed ({type(error).__name__}), table prices used"
     print(f"prices: {source}")
     costs, unknown = node_costs(config, table, spot)
-    print(f"{'node type':16} {'instance':14} {'market':9} {'GPUs':10} {'on-demand $/h':>13} "
+    width = max([14, *(len(cost.instance_type) for cost in costs)])  # Azure's sizes are long names
+    print(f"{'node type':16} {'instance':{width}} {'market':9} {'GPUs':10} {'on-demand $/h':>13} "
           f"{'spot $/h':>9} {'pays $/h':>9} {'max':>4}")
     for cost in costs:
         gpus = f"{cost.gpus}x{cost.gpu_model}" if cost.gpus else "0"
-        print(f"{cost.node_type:16} {cost.instance_type:14} {'spot' if cost.spot else 'on-demand':9} {gpus:10} "
+        print(f"{cost.node_type:16} {cost.instance_type:{width}} {'spot' if cost.spot else 'on-demand':9} {gpus:10} "
               f"{cost.on_demand_usd_per_hour:13.3f} {cost.spot_usd_per_hour:9.3f} {cost.usd_per_hour:9.3f} "
               f"{cost.max_workers:4d}")
     for name in unknown:
@@ -159,10 +167,19 @@ def run_rehearse(args: argparse.Namespace) -> int:
 def run_spot_watcher(args: argparse.Namespace) -> int:
     if args.interval_s <= 0 or args.max_backoff_s <= 0:
         raise ConfigError("--interval-s and --max-backoff-s must be > 0")
-    if not args.imds_url.startswith(("http://", "https://")):
-        raise ConfigError(f"--imds-url must be an http:// or https:// URL, got {args.imds_url!r}")
+    for flag, url in (("--imds-url", args.imds_url), ("--azure-metadata-url", args.azure_metadata_url)):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag} must be an http:// or https:// URL, got {url!r}")
+    cloud = args.cloud
+    if cloud == "auto":
+        try:
+            cloud = detect_cloud(args.imds_url, args.azure_metadata_url)
+        except ImdsUnavailable as error:
+            print(f"error: --cloud auto: {error}", file=sys.stderr)
+            return EXIT_FAILED
     try:
-        imds = ImdsClient(args.imds_url, token_ttl_s=args.token_ttl_s)
+        imds = (ScheduledEventsClient(args.azure_metadata_url) if cloud == "azure"
+                else ImdsClient(args.imds_url, token_ttl_s=args.token_ttl_s))
         policy = SpotPolicy(on_rebalance=args.on_rebalance, rebalance_deadline_s=args.rebalance_deadline_s)
     except ValueError as error:
         raise ConfigError(str(error)) from error
@@ -179,14 +196,21 @@ def run_spot_watcher(args: argparse.Namespace) -> int:
     def drain(decision) -> None:
         ray_nodes.drain_node(gcs, node_id, decision.reason_message, decision.deadline_timestamp_ms)
 
-    watcher = SpotWatcher(imds, policy, drain, interval_s=args.interval_s, max_backoff_s=args.max_backoff_s)
-    log.info("watching node %s: IMDS %s every %g s, rebalance recommendations: %s", node_id, args.imds_url,
+    def released() -> bool:  # the drained raylet has exited: nothing of Ray's is left to lose
+        return not any(node.node_id == node_id and node.alive for node in ray_nodes.list_nodes(gcs))
+
+    acknowledge = imds.acknowledge if cloud == "azure" else None
+    watcher = SpotWatcher(imds, policy, drain, interval_s=args.interval_s, max_backoff_s=args.max_backoff_s,
+                          acknowledge=acknowledge, released=released)
+    log.info("watching node %s: %s every %g s, rebalance recommendations: %s", node_id,
+             f"Azure Scheduled Events at {args.azure_metadata_url}" if cloud == "azure" else f"IMDS {args.imds_url}",
              args.interval_s, args.on_rebalance)
     if args.once:
         try:
             drains = watcher.poll_once()
         except ImdsUnavailable as error:
-            print(f"error: IMDS unreachable ({error}): not on EC2, or instance metadata is disabled", file=sys.stderr)
+            print(f"error: IMDS unreachable ({error}): not on {'Azure' if cloud == 'azure' else 'EC2'}, "
+                  "or instance metadata is disabled", file=sys.stderr)
             return EXIT_FAILED
         except (ImdsError, ray_nodes.RayUnavailable) as error:
             print(f"error: {error}", file=sys.stderr)

@@ -35,10 +35,11 @@ class ImdsError(Exception):
 @dataclass(frozen=True)
 class Notice:
     """An interruption signal: a spot action with the time it happens, or a rebalance
-    recommendation with the time it was issued."""
+    recommendation with the time it was issued (or Azure's Preempt event: cluster/azure_events.py)."""
 
-    kind: str        # one of SPOT_ACTIONS, or REBALANCE
-    time: datetime   # timezone-aware, UTC
+    kind: str          # one of SPOT_ACTIONS, or REBALANCE (or azure_events.PREEMPT)
+    time: datetime     # timezone-aware, UTC
+    event_id: str = ""  # Azure Scheduled Events only: what the acknowledgement names
 
 
 def parse_time(text: str) -> datetime:

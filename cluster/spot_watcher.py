@@ -1,10 +1,14 @@
 """Spot interruption watcher, one per worker node: poll IMDS for the spot instance-action and the
-rebalance recommendation and, on a notice, drain this node's raylet with reason preemption and
-the notice's deadline. Ray Train then sees `get_preemption_info()`, checkpoints just in time and
-restarts the worker group off the node; Ray schedules nothing new there.
+rebalance recommendation (EC2) or Scheduled Events for a Preempt event (Azure) and, on a notice,
+drain this node's raylet with reason preemption and the notice's deadline. Ray Train then sees
+`get_preemption_info()`, checkpoints just in time and restarts the worker group off the node; Ray
+schedules nothing new there.
 
 `SpotPolicy` decides (pure: a notice, the time, the deadline already requested -> `DrainDecision`);
-`SpotWatcher` polls, asks the policy, and drains through an injected function."""
+`SpotWatcher` polls, asks the policy, drains through an injected function and, where the cloud
+takes an acknowledgement (Azure), acknowledges a notice only after its drain was accepted and Ray
+has released the node: acknowledging lets Azure evict at once, which must not cut short the
+just-in-time checkpoint the drain asked for."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
+from cluster.azure_events import PREEMPT, ScheduledEventsClient
 from cluster.imds import REBALANCE, SPOT_ACTIONS, ImdsClient, ImdsError, ImdsUnavailable, Notice
 
 REBALANCE_POLICIES = ("ignore", "log", "drain")
@@ -68,6 +73,10 @@ class SpotPolicy:
                 return DrainDecision(False, f"{seen}: not draining (on_rebalance={self.on_rebalance})")
             deadline = now + timedelta(seconds=self.rebalance_deadline_s)
             message = f"EC2 rebalance recommendation ({_iso(notice.time)}): draining ahead of a likely interruption"
+        elif notice.kind == PREEMPT:
+            seen = f"Azure Scheduled Event Preempt {notice.event_id}: eviction not before {_iso(notice.time)}"
+            deadline = max(notice.time, now)
+            message = f"Azure spot eviction (Scheduled Event Preempt {notice.event_id}) not before {_iso(notice.time)}"
         else:
             kind = (notice.kind if notice.kind in SPOT_ACTIONS
                     else f"{notice.kind} (unknown action, treated as terminate)")
@@ -83,13 +92,20 @@ class SpotPolicy:
 
 class SpotWatcher:
     """Polls and executes. `drain(decision)` raises on failure (the next poll tries again);
-    `clock` gives aware UTC datetimes, `sleep` waits: both injectable for tests."""
+    `acknowledge(notice)` (None: the cloud takes none) is called for each notice with an event id
+    once a drain covers it and `released()` says Ray let the node go, and retried each poll until
+    it succeeds; `clock` gives aware UTC datetimes, `sleep` waits: all injectable for tests."""
 
-    def __init__(self, imds: ImdsClient, policy: SpotPolicy, drain: Callable[[DrainDecision], None],
+    def __init__(self, imds: ImdsClient | ScheduledEventsClient, policy: SpotPolicy,
+                 drain: Callable[[DrainDecision], None],
                  interval_s: float = 5.0, max_backoff_s: float = 60.0,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 acknowledge: Callable[[Notice], None] | None = None, released: Callable[[], bool] = lambda: True):
         self.imds, self.policy, self._drain = imds, policy, drain
+        self._acknowledge, self._released = acknowledge, released
+        self.to_acknowledge: dict[str, Notice] = {}   # event id -> notice a drain covers, not yet acknowledged
+        self.acknowledged: list[str] = []
         self.interval_s, self.max_backoff_s = interval_s, max(max_backoff_s, interval_s)
         self._clock, self._sleep = clock, sleep
         self.draining_until: datetime | None = None   # deadline of the last accepted drain
@@ -110,14 +126,36 @@ class SpotWatcher:
             decision = self.policy.decide(notice, self._clock(), self.draining_until)
             if not decision.drain:
                 self._once(notice, decision.summary)
-                continue
-            log.info(decision.summary)
-            self._drain(decision)
-            log.info("drain accepted: deadline %s (%d ms)", _iso(decision.deadline), decision.deadline_timestamp_ms)
-            self.draining_until = decision.deadline
-            self.drains.append(decision)
-            requested.append(decision)
+            else:
+                log.info(decision.summary)
+                self._drain(decision)
+                log.info("drain accepted: deadline %s (%d ms)", _iso(decision.deadline), decision.deadline_timestamp_ms)
+                self.draining_until = decision.deadline
+                self.drains.append(decision)
+                requested.append(decision)
+            if self.draining_until is not None and notice.event_id and notice.event_id not in self.acknowledged:
+                self.to_acknowledge.setdefault(notice.event_id, notice)
+        self._acknowledge_released()
         return requested
+
+    def _acknowledge_released(self) -> None:
+        if self._acknowledge is None or not self.to_acknowledge:
+            return
+        try:
+            if not self._released():
+                return
+        except Exception as error:  # the GCS is unreachable: the node is not known to be released
+            log.warning("cannot tell whether Ray released the node (%s): not acknowledging yet", error)
+            return
+        for event_id, notice in list(self.to_acknowledge.items()):
+            try:
+                self._acknowledge(notice)
+            except Exception as error:  # the metadata service hiccuped: the next poll tries again
+                log.warning("acknowledging event %s failed: %s: %s", event_id, type(error).__name__, error)
+                continue
+            log.info("event %s acknowledged: Ray has released the node, the cloud may go ahead", event_id)
+            del self.to_acknowledge[event_id]
+            self.acknowledged.append(event_id)
 
     def run(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Poll until `stop()`. IMDS unreachable: one log line, then back off (doubling up to

@@ -1,5 +1,5 @@
 """Runs on the laptop: preflight of a cluster config: Ray's schema, this project's rules, then live
-AWS checks when credentials are present. Returns the report; the CLI turns it into lines and an
+AWS or Azure checks when credentials are present. Returns the report; the CLI turns it into lines and an
 exit code."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any, Mapping
 
 from cluster.aws_checks import live_checks
 from cluster.aws_facts import QuotaLookup, gather_facts, has_aws_credentials
+from cluster.azure_live import azure_live_results
+from cluster.azure_rules import azure_static_checks
 from cluster.checks import CheckResult, Laptop, failed, passed, provider_type, skipped
 from cluster.config import load_and_prepare
 from cluster.prices import load_price_table
@@ -17,12 +19,17 @@ from cluster.rules import static_checks
 
 
 def validate_cluster(path: str | os.PathLike, *, env: Mapping[str, str] = os.environ, live: bool = True,
-                     session: Any = None, quota_lookup: QuotaLookup | None = None) -> list[CheckResult]:
+                     session: Any = None, quota_lookup: QuotaLookup | None = None,
+                     azure_credential: Any = None) -> list[CheckResult]:
     """All checks for one cluster file. Raises ConfigError when the file is unusable."""
     _, prepared = load_and_prepare(path)
     results = [passed("ray_schema", "Ray's launcher schema accepts the config")]
     laptop = Laptop(Path(env["HOME"]) if env.get("HOME") else Path.home(), _repo_root(Path(path)))
-    results += static_checks(prepared, load_price_table().gpus_by_instance(), laptop)
+    gpus = load_price_table().gpus_by_instance()
+    if provider_type(prepared) == "azure":
+        return [*results, *azure_static_checks(prepared, gpus, laptop),
+                *azure_live_results(prepared, gpus, env=env, live=live, credential=azure_credential)]
+    results += static_checks(prepared, gpus, laptop)
     results += live_results(prepared, env=env, live=live, session=session, quota_lookup=quota_lookup)
     return results
 

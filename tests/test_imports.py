@@ -18,8 +18,8 @@ HEAVY = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ray
          "mlflow", "mlflow.pytorch", "sklearn", "matplotlib", "pyspark", "onnx", "onnxruntime", "torchft",
          "transformers", "peft", "safetensors", "boto3", "botocore", "optuna", "pandas", "pyarrow.dataset",
          "cloudsplaining", "parliament", "grpc",
-         # optional dependencies, installed where they serve (the `gpu` extra)
-         "pynvml")
+         # optional dependencies, installed where they serve (the `gpu` extra; azure-identity for live Azure checks)
+         "pynvml", "azure.identity")
 
 
 @dataclass(frozen=True)
