@@ -15,6 +15,7 @@ from bench import rows
 from bench.common import REPO, machine
 from bench.continuous import continuous
 from bench.hf_load import hf_load
+from bench.hf_throughput import hf_throughput
 from bench.report import markdown, update_readme
 from bench.streaming import driver_memory, streaming
 from bench.system_metrics import system_metrics
@@ -22,7 +23,7 @@ from bench.tokenizing import tokenizing
 from training.run.session import ray_session
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenize_memory",
-        "hf_load", "tokenizing", "recovery",
+        "hf_load", "hf_throughput", "tokenizing", "recovery",
         "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
 
 
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
                 timed("data_path", lambda: rows.data_path(args.quick, rates))
             if "system_metrics" in wanted:  # quick: the sampler's own cost only, no Ray
                 timed("system_metrics", lambda: system_metrics(args.quick))
+            if "hf_throughput" in wanted:  # an HF Llama: the service vs plain torchrun DDP
+                timed("hf_throughput", lambda: hf_throughput(args.quick))
             if "tokenizing" in wanted:
                 timed("tokenizing", lambda: tokenizing(args.quick))
             if "gpu" in wanted:
@@ -162,6 +165,8 @@ def ratios(rows_: dict) -> dict:
         found["hf_sharded_load_rss_growth_vs_checkpoint"] = rows_["hf_load"]["sharded_rss_growth_vs_checkpoint"]
         found["hf_whole_load_rss_growth_vs_checkpoint"] = rows_["hf_load"]["whole_rss_growth_vs_checkpoint"]
         found["hf_sharded_load_vs_raw_safetensors_read"] = rows_["hf_load"]["sharded_load_vs_raw_read"]
+    if "hf_throughput" in rows_:
+        found["hf_llama_service_vs_torchrun_ddp_tokens_per_s"] = rows_["hf_throughput"]["ratio"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

@@ -163,6 +163,16 @@ def markdown(results: dict) -> str:
                      f"{v['workers']} workers (gloo), FSDP2 per layer + root, each rank reading its rows "
                      f"(load_sharded) vs each loading it whole (from_pretrained); medians of {v['rounds']} "
                      "interleaved rounds, fresh processes |")
+    if "hf_throughput" in r:
+        v = r["hf_throughput"]
+        lines.append(f"| HF Llama throughput | service {v['service_tokens_per_s']:.0f} vs torchrun DDP "
+                     f"{v['baseline_tokens_per_s']:.0f} tokens/s | **{v['ratio']:.3f}** (target >= 0.95; "
+                     f"{spread(v['pairs'])}; {v['rounds']} interleaved pair(s)) | `model.name: hf`, a Llama of "
+                     f"{v['parameters_m']:.2f}M parameters (vocab {v['vocab_size']}, seq_len {v['seq_len']}), "
+                     f"{v['workers']} workers DDP, {v['threads_per_worker']} thread each, global batch "
+                     f"{v['global_batch']}; steady state: the first {v['warmup_steps']} of {v['steps']} steps excluded "
+                     "on both sides; vs the same model, data, batch and optimizer in a plain torchrun loop "
+                     "(bench/hf_baseline_ddp.py) |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # tests/test_tuning_ray.py runs (its files and arithmetic: tests/test_bench_math.py). Quick mode
 # leaves those out unless asked for (bench/__main__.py).
 ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,hf_load,cold_start,overhead,data_path,"
-                      "tokenizing,gpu,system_metrics",
+                      "tokenizing,gpu,system_metrics,hf_throughput",
             "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
 LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
 
@@ -53,6 +53,10 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert rows["tokenize_memory"]["large_vs_small_peak_rss"] > 0
     assert rows["hf_load"]["sharded_rss_growth_vs_checkpoint"] > 0 and rows["hf_load"]["sharded_load_vs_raw_read"] > 0
     assert "| HF sharded load |" in table
+    hf = rows["hf_throughput"]  # an HF Llama through the service vs plain torchrun DDP
+    assert hf["service_tokens_per_s"] > 0 and hf["baseline_tokens_per_s"] > 0 and hf["pairs"]["rounds"] == 1
+    assert hf["workers"] == 2 and hf["warmup_steps"] < hf["steps"]
+    assert "| HF Llama throughput |" in table and "hf_llama_service_vs_torchrun_ddp_tokens_per_s" in results["ratios"]
     assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"]
                for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]
@@ -75,3 +79,39 @@ def test_quick_bench_runs_the_recovery_and_checkpoint_rows(tmp_path):
     assert plain["kills"] >= 1 and plain["recoveries_measured"] >= 1 and plain["kill_to_next_step_s_median"] > 0
     assert rows["recovery"]["kill_to_next_step_vs_plain_ray_train"] > 0
     assert "| recovery |" in table and "| restart vs plain Ray Train |" in table and "quick mode" in table
+
+
+GPU_CHECK = REPO / "bench" / "gpu_check.sh"
+
+
+def gpu_check(*args, timeout=60):
+    return subprocess.run(["bash", str(GPU_CHECK), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_check_parses_and_refuses_bad_arguments_before_touching_a_gpu():
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True).returncode == 0
+    shown = gpu_check("--help")
+    assert shown.returncode == 0 and "llama1b" in shown.stdout and "--deadline-s" in shown.stdout
+    for args, message in [(["--only", "tinylm,bogus"], "--only: unknown part 'bogus'"),
+                          (["--cpu", "--only", "llama1b"], "--cpu runs only the vllm part"),
+                          (["--deadline-s", "soon"], "--deadline-s: 'soon' is not a whole number"),
+                          (["--python"], "--python needs a path"),
+                          (["--fast"], "unknown argument '--fast'")]:
+        refused = gpu_check(*args)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+        assert "nvidia-smi" not in refused.stderr  # (refused before anything runs)
+
+
+def test_gpu_check_vllm_step_skips_without_vllm_and_refuses_a_folder_that_is_not_a_model(tmp_path):
+    import transformers
+
+    folder = tmp_path / "llama"
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    step = [sys.executable, str(REPO / "bench" / "gpu_check_parts.py"), "vllm"]
+    found = subprocess.run([*step, str(folder)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0 and found.stdout.startswith(f"skipped: vLLM load-and-generate of {folder}: ")
+    assert "vllm is not installed" in found.stdout or "no CUDA device" in found.stdout
+    empty = subprocess.run([*step, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "has no config.json: not an exported Hugging Face folder" in empty.stderr
