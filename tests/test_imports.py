@@ -19,7 +19,9 @@ HEAVY = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ray
          "transformers", "peft", "safetensors", "boto3", "botocore", "optuna", "pandas", "pyarrow.dataset",
          "cloudsplaining", "parliament", "grpc",
          # optional dependencies, installed where they serve (the `gpu` extra; azure-identity for live Azure checks)
-         "pynvml", "azure.identity")
+         "pynvml", "azure.identity", "vllm",
+         # what only one kind of data needs (image data: Pillow)
+         "PIL")
 
 
 @dataclass(frozen=True)

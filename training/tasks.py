@@ -152,6 +152,34 @@ class SequenceClassification(Task):
         return (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
 
 
+class PackedLanguageModel(LanguageModel):
+    """Next-token prediction on rows of one or more whole samples (chat or instruction data, packed):
+    `tokens` (seq_len input ids), `labels` (each position's target, IGNORE where it has none: a
+    token the loss leaves out, a sample's last token, padding) and `positions` (each token's position
+    in its own sample: a sample starts where it is 0). The model is called as `model(tokens,
+    positions)` and must keep each sample to itself (a block-diagonal causal mask); the loss and the
+    validation metrics are over the labelled tokens alone."""
+
+    IGNORE = -100  # (transformers' and torch's ignore_index)
+
+    def inputs_and_targets(self, batch: dict):
+        return batch["tokens"], batch["labels"]
+
+    def call(self, model, batch: dict, inputs):
+        return model(inputs, batch["positions"])
+
+    def forward_loss(self, model, batch: dict, count_correct: bool = False):
+        import torch.nn.functional as F  # (torch, not at import: the config path does not load it)
+
+        inputs, targets = self.inputs_and_targets(batch)
+        logits = logits_of(self.call(model, batch, inputs))
+        logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        loss_sum = F.cross_entropy(logits.float(), targets, ignore_index=self.IGNORE, reduction="sum")
+        labelled = targets != self.IGNORE
+        correct = ((logits.argmax(dim=-1) == targets) & labelled).sum() if count_correct else None
+        return loss_sum, int(labelled.sum()), correct
+
+
 CLASSIFICATION = Classification("classification", (("x", "float32"), ("y", "int64")), (VAL_LOSS, VAL_ACCURACY),
                                 ("input_dim", "num_classes"))
 LANGUAGE_MODEL = LanguageModel("language_model", (("tokens", "int64"),),
@@ -159,5 +187,33 @@ LANGUAGE_MODEL = LanguageModel("language_model", (("tokens", "int64"),),
 SEQUENCE_CLASSIFICATION = SequenceClassification(
     "sequence_classification", (("tokens", "int64"), ("attention", "int8"), ("label", "int64")),
     (VAL_LOSS, VAL_ACCURACY), ("vocab_size", "num_classes"))
-TASKS = {task.name: task for task in (CLASSIFICATION, LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION)}
+# (the loss is summed over the labelled tokens but scaled, as language_model's, by seq_len per row: a
+# step's weight does not depend on how many of its tokens are an assistant's)
+PACKED_LANGUAGE_MODEL = PackedLanguageModel(
+    "packed_language_model", (("tokens", "int64"), ("labels", "int64"), ("positions", "int64")),
+    (VAL_LOSS, VAL_PERPLEXITY, VAL_TOKEN_ACCURACY), ("vocab_size", "seq_len"))
+
+
+class ImageClassification(Task):
+    """One label per image: `pixel_values` (float32 [channels, height, width], as the data's image
+    processor makes them: training/data/image.py), `label`. The model is called as
+    `model(pixel_values)` and returns [rows, num_classes] logits."""
+
+    def inputs_and_targets(self, batch: dict):
+        return batch["pixel_values"], batch["label"]
+
+    def units_per_sample(self, spec: dict) -> int:
+        return 1
+
+    def sample(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["channels"], spec["height"], spec["width"]), "float32"
+
+    def logits_shape(self, spec: dict, rows: int) -> tuple[tuple[int, ...], str]:
+        return (rows, spec["num_classes"]), f"num_classes {spec['num_classes']}"
+
+
+IMAGE_CLASSIFICATION = ImageClassification("image_classification", (("pixel_values", "float32"), ("label", "int64")),
+                                           (VAL_LOSS, VAL_ACCURACY), ("channels", "num_classes"))
+TASKS = {task.name: task for task in (CLASSIFICATION, LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION,
+                                      PACKED_LANGUAGE_MODEL, IMAGE_CLASSIFICATION)}
 ALL_VALIDATION_METRICS = tuple(dict.fromkeys(m for task in TASKS.values() for m in task.validation_metrics))

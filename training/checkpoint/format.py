@@ -4,6 +4,9 @@ restore, upload order), the driver (metrics of the final checkpoint, the final m
 and meta.json's fields.
 
     state.pt   model (unwrapped state dict), optimizer, scheduler, loop state, resolved config
+
+A model whose family reads its frozen parameters again from elsewhere (an adapter over a pretrained
+base: family.checkpoints_frozen) has only its trainable ones (and any buffers) in either layout.
     meta.json  format version, step, epoch, position in the epoch, world size, metrics, and the
                size of state.pt: written last, it is what makes a checkpoint complete
 
@@ -97,14 +100,14 @@ def _write_meta(directory: Path, loop: LoopState, config: dict, steps_per_epoch:
 
 def save_sharded(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler_state: dict, loop: LoopState, config: dict, steps_per_epoch: int, world_size: int,
-                 metrics: dict) -> None:
+                 metrics: dict, frozen: bool = True) -> None:
     """Every worker calls this at once (it is a collective), each with its own local directory:
     each writes its shard there, rank 0 also the manifest, train_state.pt and, last, meta.json."""
     import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
     from torch.distributed.checkpoint.state_dict import get_state_dict  # (lazy: torch.distributed.checkpoint)
 
     directory = Path(directory)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_dcp_options(frozen))
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -128,27 +131,55 @@ def _file_sizes(directory: Path) -> dict[str, int]:
 
 def write(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           scheduler: torch.optim.lr_scheduler.LRScheduler, sharded: bool, loop: LoopState, config: dict,
-          steps_per_epoch: int, world_size: int, metrics: dict) -> None:
+          steps_per_epoch: int, world_size: int, metrics: dict, frozen: bool = True) -> None:
     """A worker's checkpoint of its training state: sharded, every worker calls this at once (see
-    save_sharded); else rank 0 alone. `model` is the unwrapped module (its own parameter names)."""
+    save_sharded); else rank 0 alone. `model` is the unwrapped module (its own parameter names);
+    `frozen`: whether its frozen parameters are kept too."""
     fields = dict(scheduler_state=scheduler.state_dict(), loop=loop, config=redact_values(config),
                   steps_per_epoch=steps_per_epoch,
                   world_size=world_size, metrics=metrics)
     if sharded:
-        save_sharded(directory, model=model, optimizer=optimizer, **fields)
+        save_sharded(directory, model=model, optimizer=optimizer, frozen=frozen, **fields)
     else:
-        save(directory, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(), **fields)
+        frozen_names = set() if frozen else frozen_parameter_names(model)
+        model_state = {k: v for k, v in model.state_dict().items() if k not in frozen_names}
+        save(directory, model_state=model_state, optimizer_state=optimizer.state_dict(), **fields)
+
+
+def frozen_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of the parameters that do not train (a tied one under each of its names)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def load_model_into(model: torch.nn.Module, model_state: dict, frozen: bool, where) -> None:
+    """`model_state` into `model`: all of it, or (`frozen` False) all but its frozen parameters,
+    which the model has already; ValueError if the checkpoint's names are not the model's."""
+    if frozen:
+        model.load_state_dict(model_state)
+        return
+    missing, unexpected = model.load_state_dict(model_state, strict=False)
+    wrong = sorted(set(missing) - frozen_parameter_names(model)) + sorted(unexpected)
+    if wrong:
+        raise ValueError(f"checkpoint {where} does not fit the model: {len(wrong)} names differ (first: {wrong[0]})")
+
+
+def _dcp_options(frozen: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # (lazy: torch.distributed.checkpoint)
+
+    # (strict off: the frozen names are left out on both sides, and the model keeps its own values)
+    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
 
 
 def restore(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            scheduler: torch.optim.lr_scheduler.LRScheduler, *, sharded: bool) -> LoopState:
+            scheduler: torch.optim.lr_scheduler.LRScheduler, *, sharded: bool, frozen: bool = True) -> LoopState:
     """Load a checkpoint into the model, optimizer and scheduler in place; returns the loop state.
-    Sharded, every worker calls this at once and reads its part, whatever the world size that wrote it."""
+    Sharded, every worker calls this at once and reads its part, whatever the world size that wrote it.
+    `frozen` False: the checkpoint holds no frozen parameters; the model's own stay."""
     if sharded:
-        state = load_sharded(directory, model, optimizer)
+        state = load_sharded(directory, model, optimizer, frozen)
     else:
         state = load(directory)
-        model.load_state_dict(state["model"])
+        load_model_into(model, state["model"], frozen, directory)
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state["loop"]
@@ -168,7 +199,8 @@ def has_sharded_layout(directory: str | Path) -> bool:
     return (Path(directory) / TRAIN_STATE_FILE).is_file() or (Path(directory) / MANIFEST_FILE).is_file()
 
 
-def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 frozen: bool = True) -> dict[str, Any]:
     """Every worker calls this at once: load its part of the model and optimizer (re-sharded to the
     current world size) in place; returns the scheduler state, loop state and config."""
     import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
@@ -182,22 +214,25 @@ def load_sharded(directory: str | Path, model: torch.nn.Module, optimizer: torch
                          "it was written with parallel.strategy: ddp, which this run cannot load")
     state = torch.load(directory / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
     _check_version(directory, state)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_dcp_options(frozen))
     shards = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(shards, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"],
+                   options=_dcp_options(frozen))
     state["loop"] = LoopState(**state["loop"])
     return state
 
 
-def load_model_state(directory: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def load_model_state(directory: str | Path, model: torch.nn.Module, frozen: bool = True) -> dict[str, torch.Tensor]:
     """The model's full (consolidated) state dict from either layout, in one process: `model`, an
-    unsharded instance of the same architecture, gives the keys and shapes."""
+    unsharded instance of the same architecture, gives the keys and shapes (`frozen` False: all
+    but its frozen parameters, which the checkpoint does not hold)."""
     if not has_sharded_layout(directory):
         return load(directory)["model"]
     import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
 
-    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    left_out = set() if frozen else frozen_parameter_names(model)
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items() if k not in left_out}}
     dcp.load(state, checkpoint_id=Path(directory), no_dist=True)
     return state["model"]
 

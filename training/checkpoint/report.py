@@ -39,9 +39,11 @@ class CheckpointReporter:
 
     def __init__(self, config: dict, upload: str, run_dir: str, *, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, sharded: bool, rank: int, steps_per_epoch: int,
-                 world_size: int):
-        """`config`: the resolved job config each checkpoint stores; `upload`: checkpoint.upload."""
+                 world_size: int, frozen: bool = True):
+        """`config`: the resolved job config each checkpoint stores; `upload`: checkpoint.upload;
+        `frozen`: whether checkpoints hold the frozen parameters (family.checkpoints_frozen)."""
         self.model, self.optimizer, self.scheduler, self.sharded = model, optimizer, scheduler, sharded
+        self.frozen = frozen
         self.writes = rank == 0 or sharded  # sharded: every worker writes and uploads its shard
         self.asynchronous = upload == "async"
         self.config = config
@@ -64,7 +66,7 @@ class CheckpointReporter:
         directory = tempfile.mkdtemp(prefix="ckpt-")  # outlives an asynchronous upload
         ckpt.write(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                    sharded=self.sharded, loop=loop, config=self.config, steps_per_epoch=self.steps_per_epoch,
-                   world_size=self.world_size, metrics=metrics)
+                   world_size=self.world_size, metrics=metrics, frozen=self.frozen)
         asynchronous = self.asynchronous and not synchronous
         upload = self.upload if not synchronous else upload_fn(
             self.run_dir, self.retry.within(synchronous_upload_budget_s(deadline_s, time.time())))

@@ -58,14 +58,15 @@ def final_checkpoint(registered: ray.train.Checkpoint | None, run_dir: str) -> r
 
 
 def resume(run_dir: str, initial_checkpoint: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler, sharded: bool, agree: bool = True) -> ckpt.LoopState:
+           scheduler, sharded: bool, agree: bool = True, frozen: bool = True) -> ckpt.LoopState:
     """Load the restore point, if any, into `model`, `optimizer` and `scheduler` (in place);
-    returns the loop state to continue from. `agree`: see restore_point."""
+    returns the loop state to continue from. `agree`: see restore_point; `frozen`: whether the
+    checkpoint holds the frozen parameters (family.checkpoints_frozen)."""
     checkpoint = restore_point(run_dir, initial_checkpoint, agree)
     if checkpoint is None:
         return ckpt.LoopState()
     with checkpoint.as_directory() as directory:  # sharded: each worker reads its part, at any world size
-        loop = ckpt.restore(directory, model, optimizer, scheduler, sharded=sharded)
+        loop = ckpt.restore(directory, model, optimizer, scheduler, sharded=sharded, frozen=frozen)
     context = ray.train.get_context()
     if context.get_world_rank() == 0 or not agree:
         workers = context.get_world_size()

@@ -67,6 +67,11 @@ def check_types(schema: pa.Schema, columns, uri: str) -> None:
             raise refuse("tokens", columns.tokens, "tokens must be a list column of integer token ids, every row "
                          "the same length (cast it, e.g. to list<int32>)")
         return
+    if getattr(columns, "image", None):
+
+        if not is_image_type(schema.field(columns.image).type):
+            raise refuse("image", columns.image, "an image column holds each image's encoded bytes (PNG, JPEG: binary, "
+                         "or Hugging Face datasets' {bytes, path} structs)")
     kind = schema.field(columns.label).type
     if not (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
         raise refuse("label", columns.label, "a label must be an integer (or boolean) column of class ids counted "
@@ -181,3 +186,13 @@ def facts_from_rows(table: pa.Table, group: int, columns, uri: str, facts: dict)
             if low.as_py() < 0:
                 raise _negative(uri, group, name, option, low.as_py())
             facts[name].take(low.as_py(), high.as_py())
+
+
+def is_image_type(kind: pa.DataType) -> bool:
+    """An image column: encoded bytes, or Hugging Face datasets' {bytes, path} struct."""
+    binary = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary,
+              getattr(pa.types, "is_binary_view", lambda _: False))
+    if pa.types.is_struct(kind):
+        index = kind.get_field_index("bytes")
+        return index >= 0 and is_image_type(kind.field(index).type)
+    return any(test(kind) for test in binary)

@@ -9,6 +9,7 @@ a language model one list column of token ids, every row the same length (`Colum
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 
 from training import storage
 from training.backoff import RetryPolicy
+from training.data import image
 from training.data.files import DataFile, Listing, changed, digest, list_splits
 from training.data.manifest import Manifest
 from training.data.parquet_checks import (
@@ -35,7 +37,7 @@ from training.data.parquet_checks import (
 from training.errors import DataError, UserError, first_line
 from training.redaction import redact
 from training.retry import Retrier
-from training.tasks import CLASSIFICATION, LANGUAGE_MODEL
+from training.tasks import CLASSIFICATION, IMAGE_CLASSIFICATION, LANGUAGE_MODEL
 
 T = TypeVar("T")
 FOOTER_THREADS = 16
@@ -48,28 +50,47 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Columns:
     """Which columns of the files the task's columns come from: `tokens` (a language model), or
-    `features` and `label` (classification)."""
+    `features` and `label` (classification), or `image` and `label` (image classification: encoded
+    images decoded by `image_processor`, its resolved settings as JSON; training/data/image.py)."""
 
     tokens: Optional[str] = None
     features: tuple[str, ...] = ()
     label: Optional[str] = None
+    image: Optional[str] = None
+    image_processor: Optional[str] = None
+    channels: int = 3
+    image_shape: Optional[tuple[int, ...]] = None  # (the data's [C, H, W], once known: every row group's)
 
     @property
     def task(self) -> str:
+        if self.image:
+            return IMAGE_CLASSIFICATION.name
         return LANGUAGE_MODEL.name if self.tokens else CLASSIFICATION.name
 
     def read(self) -> list[str]:
         """The files' columns to read."""
+        if self.image:
+            return [self.image, self.label]
         return [self.tokens] if self.tokens else [*self.features, self.label]
 
+    def option_of(self, column: str) -> str:
+        """The option that names a column (for messages)."""
+        return next((f"data.options.{o}" for o in ("image", "label", "tokens") if getattr(self, o) == column),
+                    "data.options.features")
+
     def arrays(self, table: pa.Table) -> dict[str, np.ndarray]:
-        """Decoded columns of a row group in the task's shape: x (float32) and y (int64), or tokens.
-        DataError naming the column where the rows do not fit (the reader adds the file and row group)."""
+        """Decoded columns of a row group in the task's shape: x (float32) and y (int64), or tokens,
+        or pixel_values and label. DataError naming the column where the rows do not fit (the reader
+        adds the file and row group)."""
         for name in self.read():
             if table.column(name).null_count:
-                raise DataError(f"column {name!r} has null values; every row needs a value")
+                raise ColumnError(f"column {name!r} has null values; every row needs a value", self.option_of(name))
         if self.tokens:
             return {"tokens": _list_matrix(table.column(self.tokens), np.int64, self.tokens)}
+        if self.image:
+            pixels = image.decode(table.column(self.image), self.image, self.image_processor, self.channels,
+                                  self.image_shape)
+            return {"pixel_values": pixels, "label": _numbers(table.column(self.label), np.int64, self.label)}
         names = list(self.features)
         if len(names) == 1 and is_list(table.schema.field(names[0]).type):
             x = _list_matrix(table.column(names[0]), np.float32, names[0])
@@ -141,7 +162,8 @@ def read_footer(file: DataFile, columns: Columns) -> dict[str, Any]:
             schema = reader.schema_arrow
             missing = [c for c in columns.read() if c not in schema.names]
             if missing:
-                raise DataError(f"{where} has no column {missing[0]!r} (it has: {', '.join(schema.names)})")
+                raise ColumnError(f"{where} has no column {missing[0]!r} (it has: {', '.join(schema.names)})",
+                                  columns.option_of(missing[0]))
             check_types(schema, columns, where)
             facts, unstated = facts_from_footer(meta, schema, columns, where)
             if unstated:
@@ -213,8 +235,8 @@ def _first_rows(footer: dict[str, Any], columns: Columns) -> dict[str, np.ndarra
     table = _on_driver(where, read, f"row group {group}")
     try:
         return columns.arrays(table)
-    except DataError as exc:
-        raise DataError(f"{where} row group {group}: {exc}") from None
+    except DataError as exc:  # (the option a column's problem names, kept: data.options.image, ...)
+        raise ColumnError(f"{where} row group {group}: {exc}", getattr(exc, "option", "data.options.path")) from None
 
 
 def _count(footers, column: str, given: Optional[int], option: str, what: str) -> Optional[int]:
@@ -246,6 +268,10 @@ def _spec(columns: Columns, footers, num_classes: Optional[int], vocab_size: Opt
         raise ColumnError(f"column {columns.label!r} holds class ids up to {classes - 1:,}: {classes:,} classes is "
                           f"more than {MAX_CLASSES:,}; a label is a class id counted from 0 (is this column an id, "
                           "a hash or a time?)", "data.options.label")
+    if columns.image:
+        channels, height, width = (int(n) for n in arrays["pixel_values"].shape[1:])
+        return {"num_classes": classes, "channels": channels, "height": height, "width": width,
+                "image_processor": json.loads(columns.image_processor)}
     return {"input_dim": int(arrays["x"].shape[1]), "num_classes": classes}
 
 

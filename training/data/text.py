@@ -5,7 +5,8 @@ tokenizer (`tokenizer: {from_model: true}`, training/data/model_tokenizer.py), o
 trained here on a deterministic sample of the training files, packed into rows of seq_len + 1
 token ids and written as Parquet that workers stream exactly like the `parquet` source's `tokens`
 column. With `label_column`, the rows are a classification table instead, one document per row
-(training/data/text_classify.py).
+(training/data/text_classify.py); with `format: chat`, conversations rendered with a chat template and
+packed (training/data/chat.py).
 
 Each input file is tokenized by the file-by-file pipeline (training/data/file_work.py), into
 `<cache_root>/text-<key>/`, beside the tokenizer the ids come from (`tokenizer.json`). `key` digests
@@ -26,7 +27,8 @@ from typing import Callable, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, model_validator
 
 from training import storage
-from training.data import stdlib_docstrings
+from training.data import chat, stdlib_chat, stdlib_docstrings
+from training.data.chat import ChatOptions
 from training.data.file_work import (
     FilePlan,
     FileTask,
@@ -51,13 +53,16 @@ from training.data.tokenize import packing, rows_per_group, tokenize_file
 from training.data.tokenizer import ChosenTokenizer, hash_rank, load_tokenizer, log_tokenizer, tokenizer_of
 from training.errors import ConfigError, DataError, UserError
 from training.schema import Section
-from training.tasks import LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
+from training.tasks import LANGUAGE_MODEL, PACKED_LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
 
 TEXT_FORMAT = 1
 STDLIB = "stdlib"  # path: the Python standard library's own .py files (site-packages left out)
 # path: stdlib_docstrings/train, validation_path: stdlib_docstrings/validation: a classification table of
 # the standard library's docstrings by package (training/data/stdlib_docstrings.py)
 STDLIB_DOCSTRINGS = stdlib_docstrings.NAME
+# path: stdlib_chat/train, validation_path: stdlib_chat/validation (format: chat): conversations about the
+# standard library's functions (training/data/stdlib_chat.py)
+GENERATED = {STDLIB_DOCSTRINGS: stdlib_docstrings.ensure, stdlib_chat.NAME: stdlib_chat.ensure}
 
 
 class TokenizerTraining(Section):
@@ -93,8 +98,10 @@ class TextOptions(Section):
     validation_path: Optional[Union[str, list[str]]] = None
     validation_fraction: Optional[float] = Field(None, gt=0, lt=1)
     # auto: .jsonl/.ndjson (also .gz or .zst, and C4's .json.gz) -> jsonl, .parquet/.pq -> parquet, anything
-    # else -> text (one document per file).
-    format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
+    # else -> text (one document per file). chat: conversations in JSON Lines or Parquet files (see `chat`).
+    format: Literal["auto", "text", "jsonl", "parquet", "chat"] = "auto"
+    # format: chat: how conversations are rendered, what the loss learns, packing (training/data/chat.py).
+    chat: Optional[ChatOptions] = None
     # The field (jsonl) or column (parquet) holding each document's text.
     text_column: str = "text"
     # A classification table: the field (jsonl) or column (parquet) holding each document's label,
@@ -127,6 +134,10 @@ class TextOptions(Section):
         if self.label_column is not None and self.tokenize_on == "cluster":
             raise ValueError("tokenize_on: cluster is for language data; a classification table (label_column) is "
                              "tokenized in this process")
+        if self.chat is not None and self.format != "chat":
+            raise ValueError(f"chat is for format: chat, but format is {self.format}")
+        if self.format == "chat":
+            chat.check_options(self)
         return self
 
 
@@ -163,18 +174,24 @@ class TextPlan(FilePlan):
     options: TextOptions
     tokenizer: ChosenTokenizer
     num_shards: int  # (a classification table's shards: data.num_shards)
+    chat_template: Optional[tuple[str, str]] = None  # format: chat: (the template, where it comes from)
 
     @property
     def classifies(self) -> bool:
         return self.options.label_column is not None
 
     @property
+    def chats(self) -> bool:
+        return self.options.format == "chat"
+
+    @property
     def task(self) -> str:
-        return (SEQUENCE_CLASSIFICATION if self.classifies else LANGUAGE_MODEL).name
+        return (SEQUENCE_CLASSIFICATION if self.classifies else PACKED_LANGUAGE_MODEL if self.chats
+                else LANGUAGE_MODEL).name
 
     @property
     def batch_partitions(self) -> Optional[int]:
-        return None if self.classifies else self.options.partitions
+        return None if self.classifies or self.chats else self.options.partitions
 
     @property
     def width(self) -> int:
@@ -197,6 +214,8 @@ class TextPlan(FilePlan):
         `on_file(counts)`: called after each file tokenized in this process."""
         if self.classifies:
             return prepare_table(self, check, log)
+        if self.chats:
+            return chat.prepare_chat(self, check, log)
         options = self.options
         manifest = cached(self.root, check, log, f"text in rows of {self.width} tokens ready")
         if manifest is not None:
@@ -254,8 +273,8 @@ def stdlib_files() -> list[DataFile]:
 def _listed(spec: str, cache_root: str) -> list[DataFile]:
     if spec == STDLIB:
         return stdlib_files()
-    if spec.split("/", 1)[0] == STDLIB_DOCSTRINGS:  # (stdlib_docstrings/train, stdlib_docstrings/validation)
-        return list_files(storage.join(stdlib_docstrings.ensure(cache_root), *spec.split("/")[1:]))
+    if spec.split("/", 1)[0] in GENERATED:  # (stdlib_docstrings/train, stdlib_chat/validation, ...)
+        return list_files(storage.join(GENERATED[spec.split("/", 1)[0]](cache_root), *spec.split("/")[1:]))
     return list_files(spec)
 
 
@@ -288,7 +307,7 @@ def check_first_records(files: list[DataFile], options: TextOptions, option: str
     takes no text files (one document, no label)."""
     for file in files:
         fmt = format_of(file.uri, options.format)
-        if fmt == "text" and options.label_column is None:
+        if fmt == "chat" or (fmt == "text" and options.label_column is None):  # (chat: chat.check_first)
             continue
         try:
             if options.label_column is None:
@@ -353,20 +372,30 @@ class TextSource:
                             f"files, no bytes: {', '.join(f.uri for f in inputs['validation'][:3])})")
         check_first_records(inputs["train"], options, "path")
         check_first_records(inputs["validation"], options, option)
-        chosen = load_tokenizer(options, next((f for f in inputs["train"] if f.size), None), section.model_folder)
+        first = None if options.format == "chat" else next((f for f in inputs["train"] if f.size), None)
+        chosen = load_tokenizer(options, first, section.model_folder)  # (chat: chat.check_first encodes)
         tokenizer_digest = hashlib.sha256((chosen.json or "").encode()).hexdigest()
-        ident = {"format": TEXT_FORMAT, "options": options.model_dump(mode="json", exclude={"tokenize_on"}),
+        template = None
+        if options.format == "chat":
+            template = chat.template_of(options, section.model_folder)
+            chat.check_first(inputs, options, chat.Renderer(chosen.json, chosen, *template, options.chat or
+                                                            chat.ChatOptions()))
+        # (chat unset is left out: the keys of data prepared before it existed stay as they were)
+        exclude = {"tokenize_on"} | ({"chat"} if options.chat is None else set())
+        ident = {"format": TEXT_FORMAT, "options": options.model_dump(mode="json", exclude=exclude),
                  "tokenizer": tokenizer_digest, "train": digest(inputs["train"]),
                  "validation": digest(inputs["validation"])}
         if options.tokenizer.from_model:  # (the ids' bounds and the separators come from the model's files)
             ident["model"] = [chosen.model_vocab_size, chosen.eos_id, chosen.bos_id, chosen.pad_id]
-        if options.label_column is not None:
+        if options.label_column is not None or template is not None:
             ident["num_shards"] = section.num_shards
+        if template is not None:  # (a folder's own template is not in the options)
+            ident["chat_template"] = hashlib.sha256(template[0].encode()).hexdigest()
         key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         root = storage.join(cache_root, f"{self.name}-{key}")
         check_cache_dir(cache_root, root)
-        return TextPlan(inputs, root, "driver" if options.label_column else options.tokenize_on, options, chosen,
-                        section.num_shards)
+        return TextPlan(inputs, root, "driver" if options.label_column or template else options.tokenize_on,
+                        options, chosen, section.num_shards, template)
 
     def plugins(self, section: TextData) -> list[str]:
         return []

@@ -16,6 +16,13 @@ path): a family imports its network where it builds it.
                              the meta device, shard it, then the family allocates it on the device
                              and has each worker read only its shards (a pretrained model)
     flops_per_token(model)   training FLOPs per token, for MFU (None: unknown)
+    checkpoints_frozen(section)
+                             whether a checkpoint holds the parameters that do not train (False:
+                             only the trainable ones and their optimizer state; the frozen ones
+                             are read again from where the family read them, a pretrained base)
+    pinned(section)          {option: digest} of what the run reads besides its data, recorded when
+                             it starts and checked when it resumes (check_pinned): a frozen base
+                             that checkpoints do not hold must not change under a run
     plugins(section)         import strings Ray ships to the cluster
     exports_onnx             whether its final model is exported to ONNX by default
 
@@ -87,3 +94,19 @@ class ModelFamily:
 
     def plugins(self, section: ModelSection) -> list[str]:
         return []
+
+    def checkpoints_frozen(self, section: ModelSection) -> bool:
+        return True
+
+    def pinned(self, section: ModelSection) -> dict[str, str]:
+        return {}
+
+
+def check_pinned(recorded: Optional[dict], now: dict[str, str]) -> None:
+    """UserError (on the driver, before a resumed run starts) if what the run read besides its data
+    changed since it started (`recorded`: the family's `pinned` then; None: a run that recorded none)."""
+    for option, digest in (recorded or {}).items():
+        if option in now and now[option] != digest:
+            raise UserError(f"{option}: its files changed since the run started (SHA-256 {digest[:12]}... then, "
+                            f"{now[option][:12]}... now); the run's checkpoints hold only what trained on top of "
+                            "them: restore the original files, or start a new run (--name)")

@@ -188,20 +188,29 @@ def _md5_parts(path: Path, part_bytes: int) -> list:
     return hashes[:-1] if left == part_bytes and len(hashes) > 1 else hashes
 
 
-def load_sharded(model, folder: str) -> None:
+def load_sharded(model, folder: str, file_key=None) -> None:
     """Fill `model` from the safetensors files in `folder`, each rank reading only its own shards.
     `model` is a transformers PreTrainedModel built on the meta device, sharded with FSDP2
     (`fully_shard` on each decoder layer, then the root) and given storage with `to_empty`.
     Non-persistent buffers (rotary `inv_freq`, BERT's `position_ids`), in no file, are computed
     again by the model's own initializer; a weight tied to another (`lm_head.weight` to the
     embeddings), which the file holds once, is read once; the file's dtype is cast to the model's.
-    The files are read with DCP's HuggingFaceStorageReader's plan, each rank's rows by `pread`
-    (training/models/hf_read.py): a rank's memory grows by its shard, not by the file's pages."""
+    A base model's folder (names without the task model's `base_model_prefix`) fills the base of a
+    task model; a task head the folder lacks (or holds in another shape: other labels) is drawn
+    fresh (`_init_fresh_head`), as `from_pretrained` does. The files are read with DCP's
+    HuggingFaceStorageReader's plan, each rank's rows by `pread` (training/models/hf_read.py): a
+    rank's memory grows by its shard, not by the file's pages. `file_key`: a state-dict name of the
+    model -> the name its files hold it under, None for one no file holds (an adapter's weights:
+    training/models/hf_adapter.py)."""
     import torch  # (lazy: torch)
     import torch.distributed.checkpoint as dcp  # (lazy: torch)
 
     _init_non_persistent_buffers(model)
     state = model.state_dict()
+    model_name = {}  # the files' names -> the model's, where file_key renames
+    if file_key is not None:  # the model's names -> the files' (None: in no file, an adapter's)
+        model_name = {key: name for name in state if (key := file_key(name)) is not None}
+        state = {key: state[name] for key, name in model_name.items()}
     from training.models.hf_read import PreadHuggingFaceReader  # (lazy: torch)
 
     reader = PreadHuggingFaceReader(folder)
@@ -209,11 +218,18 @@ def load_sharded(model, folder: str) -> None:
         stored = reader.read_metadata().state_dict_metadata
     except Exception as exc:
         raise DataError(f"{OPTION}: no safetensors weights readable in {folder} ({first_line(exc, 200)})") from exc
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    in_base = (lambda name: name.startswith(prefix + ".")) if prefix else (lambda name: True)
+    base_only = bool(prefix) and any(map(in_base, state)) and not any(map(in_base, stored))
+    in_file = (lambda name: name.removeprefix(prefix + ".")) if base_only else (lambda name: name)
     for names in _tied_names(model):  # one tensor, one file entry: read it through a key the file holds
-        keep = next((name for name in names if name in stored), names[0])
+        keep = next((name for name in names if in_file(name) in stored), names[0])
         for name in names:
             if name != keep:
                 state.pop(name, None)
+    fresh = [key for key in state if not in_base(key) and (in_file(key) not in stored or tuple(
+        stored[in_file(key)].size) != tuple(state[key].shape))]
+    state = {in_file(key): value for key, value in state.items() if key not in fresh}
     missing = sorted(key for key in state if key not in stored)
     wrong = sorted(key for key in state if key in stored and tuple(stored[key].size) != tuple(state[key].shape))
     if missing or wrong:
@@ -228,6 +244,39 @@ def load_sharded(model, folder: str) -> None:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise DataError(f"{OPTION}: reading the weights in {folder} failed ({last_line(exc, 300)})") from exc
+    _init_fresh_head(model, [model_name.get(key, key) for key in fresh])
+
+
+def _init_fresh_head(model, names: list[str]) -> None:
+    """Draw the parameters `names` (a task head no file holds) with the model's own initializer, the
+    same on every rank whatever the world size: each owning module's parameters are drawn whole, on
+    the CPU, from the seed this process last set (the worker's `torch.manual_seed(seed)` before it
+    built the model), and each rank keeps its own shard. (`to_empty` left them as garbage; DTensor's
+    random ops on a CPU mesh would draw each shard from the rank's own generator instead.)"""
+    import torch  # (lazy: torch)
+    from torch.distributed.tensor import DTensor, distribute_tensor  # (lazy: torch)
+
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owners.setdefault(parent, []).append(leaf)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(torch.initial_seed())
+        for parent, leaves in owners.items():
+            module = model.get_submodule(parent)
+            kept = {leaf: module._parameters[leaf] for leaf in leaves}
+            whole = {leaf: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for leaf, p in kept.items()}
+            module._parameters.update(whole)  # (swapped back before anything runs the module)
+            try:
+                model._init_weights(module)
+            finally:
+                module._parameters.update(kept)
+            for leaf, param in kept.items():
+                if isinstance(param, DTensor):
+                    part = distribute_tensor(whole[leaf].data, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(part.to_local())
+                else:
+                    param.copy_(whole[leaf].data)
 
 
 def _tied_names(model) -> list[list[str]]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from training.errors import UserError
 from training.models import hf_load
+from training.models.hf_forward import DATA_FORWARD, TASK_FORWARD
 
 if TYPE_CHECKING:  # (the family's options, for the types alone: the family imports this module)
     from training.models.hf import HFOptions
@@ -119,7 +120,10 @@ def check_weights(model: nn.Module, folder: str, shown: str) -> None:
 
 def tied_names(model: nn.Module) -> set[str]:
     """The state-dict names of tied copies (the output embedding tied to the input's): not in files."""
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    try:
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    except NotImplementedError:  # (a model with no embeddings: a ResNet)
+        return set()
     if outputs is None or inputs is None or outputs.weight is not inputs.weight:
         return set()
     return {f"{name}.weight" for name, module in model.named_modules() if module is outputs}
@@ -131,14 +135,16 @@ def auto_class(task: str):
     import transformers  # (lazy: transformers, seconds to import)
 
     return {"causal_lm": transformers.AutoModelForCausalLM,
-            "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
+            "sequence_classification": transformers.AutoModelForSequenceClassification,
+            "image_classification": transformers.AutoModelForImageClassification}[task]
 
 
 def head_mapping(task: str) -> dict:
     from transformers.models.auto import modeling_auto  # (lazy: transformers, seconds to import)
 
     return {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            "sequence_classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}[task]
+            "sequence_classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+            "image_classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[task]
 
 
 def known_model_types() -> dict:
@@ -159,13 +165,19 @@ def model_config(options: HFOptions, folder: Optional[str], spec: dict):
             raise UserError(f"model.options.config.model_type: {model_type!r} is not an architecture of transformers "
                             f"{transformers.__version__} (e.g. llama, qwen2, gpt2, bert)")
         check_head(model_type, options.task, "model.options.config.model_type")
-        raw.setdefault("vocab_size", spec["vocab_size"])
+        if "vocab_size" in spec:
+            raw.setdefault("vocab_size", spec["vocab_size"])
         if "num_classes" in spec:
             raw.setdefault("num_labels", spec["num_classes"])
+        if "channels" in spec:  # (images: their channels from the data)
+            raw.setdefault("num_channels", spec["channels"])
         try:
             config = transformers.AutoConfig.for_model(model_type, **raw)
         except (TypeError, ValueError, KeyError) as exc:
             raise UserError(f"{where}: {type(exc).__name__}: {exc}") from None
+        if "channels" in spec and hasattr(config, "image_size") and "image_size" not in raw:
+            # (a model of fixed size, ViT: its patch grid from the data)
+            config.image_size = spec["height"] if spec["height"] == spec["width"] else [spec["height"], spec["width"]]
     else:
         where = f"model.options.pretrained ({options.pretrained})"
         model_type = json_config(folder, options.pretrained).get("model_type")
@@ -197,7 +209,8 @@ def json_config(folder: str, shown: str) -> dict:
 
 def check_head(model_type: str, task: str, where: str) -> None:
     if model_type not in head_mapping(task):
-        heads = sorted(t for t in ("causal_lm", "sequence_classification") if model_type in head_mapping(t))
+        heads = sorted(t for t in ("causal_lm", "sequence_classification", "image_classification")
+                       if model_type in head_mapping(t))
         raise UserError(f"{where}: a {model_type} model has no head for model.options.task {task} in transformers"
                         + (f"; it has one for {', '.join(heads)}" if heads else ""))
 
@@ -213,6 +226,23 @@ def check_sizes(config, spec: dict, where: str) -> None:
         raise UserError(f"{where}: num_labels {config.num_labels}, but the data has num_classes {spec['num_classes']}")
     if "num_classes" in spec and spec.get("pad_id") is not None and config.get_text_config().pad_token_id is None:
         config.pad_token_id = spec["pad_id"]
+    if "channels" in spec:
+        check_image_sizes(config, spec, where)
+
+
+def check_image_sizes(config, spec: dict, where: str) -> None:
+    """The data's images have the model's channels, and the size a model of fixed size (ViT's patch
+    grid) takes; a convolutional model (ResNet) takes any size."""
+    channels = getattr(config, "num_channels", None)
+    if channels is not None and channels != spec["channels"]:
+        raise UserError(f"{where}: num_channels {channels}, but the data's images have {spec['channels']} "
+                        "(data.options.image_processor.channels: 3 converts each image to RGB, 1 to grayscale)")
+    size = getattr(config, "image_size", None)
+    if size is not None:
+        expected = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        if expected != (spec["height"], spec["width"]):
+            raise UserError(f"{where}: image_size {size}, but the data's image processor makes images of "
+                            f"{spec['height']} x {spec['width']} (data.options.image_processor.size)")
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -234,10 +264,13 @@ def build(options: HFOptions, spec: dict, data_task: str) -> nn.Module:
     check_attention(options)
     folder = local_folder(options) if options.pretrained else None
     config = model_config(options, folder, spec)
+    check_positions(config, spec, options)
     dtype = getattr(torch, options.dtype)
     kwargs = {"dtype": dtype, "attn_implementation": options.attn_implementation,
               "trust_remote_code": options.trust_remote_code}
     auto = auto_class(options.task)
+    if options.attn_implementation == "sdpa" and not has_sdpa(auto, config):
+        kwargs.pop("attn_implementation")  # (the default, for a model with no attention: a ResNet)
     on_meta = torch.get_default_device().type == "meta"
     if folder is None or on_meta:
         try:
@@ -256,36 +289,28 @@ def build(options: HFOptions, spec: dict, data_task: str) -> nn.Module:
     model.seq_len = spec.get("seq_len")  # (FLOPs per token: the attention term)
     # The forward as the task calls it, set on the instance (as activation checkpointing does): no
     # wrapper module, so parameter and state-dict names stay the transformers model's own.
-    model.forward = types.MethodType(TASK_FORWARD[options.task], model)
+    model.forward = types.MethodType(DATA_FORWARD.get(data_task, TASK_FORWARD[options.task]), model)
     return model
 
 
-def causal_lm_forward(self, tokens, attention=None):
-    """`model(tokens)`. No key/value cache in training: it would hold every layer's keys and values,
-    and a layer recomputed by activation checkpointing would append to it a second time."""
-    if tokens.shape[0] == 0:
-        return _on_no_rows(self, tokens, attention)
-    return type(self).forward(self, input_ids=tokens, attention_mask=attention, use_cache=False)
+def check_positions(config, spec: dict, options: HFOptions) -> None:
+    """A row longer than the model's positions (learned ones would index past their table; rotary
+    ones were never trained that far) is refused."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and spec.get("seq_len") and spec["seq_len"] > limit:
+        where = (f"model.options.pretrained {options.pretrained} (config.json)" if options.pretrained
+                 else "model.options.config (set its max_position_embeddings)")
+        raise UserError(f"data.options.seq_len: {spec['seq_len']} is longer than the model's position limit, "
+                        f"max_position_embeddings {limit} of {where}; lower data.options.seq_len")
 
 
-def sequence_classification_forward(self, tokens, attention=None):
-    """`model(tokens, attention)`: 1 where a token is real, 0 where it pads (none: every token is)."""
-    if tokens.shape[0] == 0:
-        return _on_no_rows(self, tokens, attention)
-    return type(self).forward(self, input_ids=tokens, attention_mask=None if attention is None else attention.long())
-
-
-def _on_no_rows(self, tokens, attention):
-    """The output for no rows, from a forward on one row of zeros: transformers' attention cannot
-    reshape an empty batch, and under FSDP a worker with no validation rows left still runs every
-    layer (each gathers its parameters with the other workers)."""
-    one = tokens.new_zeros((1, *tokens.shape[1:]))
-    output = self.forward(one, None if attention is None else attention.new_ones((1, *attention.shape[1:])))
-    output.logits = output.logits[:0]
-    return output
-
-
-TASK_FORWARD = {"causal_lm": causal_lm_forward, "sequence_classification": sequence_classification_forward}
+def has_sdpa(auto, config) -> bool:
+    """Whether the architecture's model class takes attn_implementation sdpa (transformers refuses it
+    for one without: a convolutional network has no attention)."""
+    try:
+        return getattr(auto._model_mapping[type(config)], "_supports_sdpa", True)
+    except (KeyError, ValueError):  # (remote code: its class is the folder's)
+        return True
 
 
 def layers(model: nn.Module) -> list[nn.Module]:

@@ -20,6 +20,7 @@ from training.adaptors.ray_private import autoscaler_node_groups
 from training.config import JobConfig
 from training.data.registry import source_of
 from training.errors import RunFailed, UserError, last_line
+from training.models.family import check_pinned
 from training.models.registry import family_of
 from training.observe import notify
 from training.observe.system import SYSTEM_KEY
@@ -78,6 +79,9 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
     record = Record.read(record_uri, name, f"checkpoint.storage_path {redact(paths.storage_path)}")
     if record is not None:
         record.check_resumable(config_lib.identity_of(job), "run", "the original values")
+    pinned = family_of(job.model.name).pinned(job.model)  # (an adapter's base: its digest)
+    if record is not None:
+        check_pinned(record.pinned, pinned)
     preflight.check_tracking(job, paths, record)
     # The data is planned once: its input listed and checked (paths, options, tokenizer or function,
     # splits), without Ray; a resumed run's, against what it started on.
@@ -101,7 +105,7 @@ def run_training(job: JobConfig, config_path: Optional[str] = None, log: Callabl
             placed = place(job, largest, ray_up.local_only)  # (before the data is prepared)
             manifest = preflight.prepare_checked(job.data, paths, checks, log, plan)
         return _run(job, paths, record, record_uri, name, manifest, largest, placed, timings, started_s, log,
-                    callbacks, initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started)
+                    callbacks, initial_checkpoint, mlflow_run_id, mlflow_tags, targets, started, pinned)
 
 
 def plugin_specs(job: JobConfig) -> list[str]:
@@ -174,7 +178,7 @@ def waiting_for_nodes(job: JobConfig, workers: WorkerResources, decision: Placem
 
 
 def _run(job, paths, record, record_uri, name, manifest, largest, placed, timings, started, log, callbacks,
-         initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start) -> RunSummary:
+         initial_checkpoint, mlflow_run_id, mlflow_tags, targets, on_start, pinned=None) -> RunSummary:
     """From the prepared data to the end of the run (inside the Ray session that prepared the data,
     if one did)."""
     from training.run.finalize import finalize  # (lazy: torch)
@@ -187,7 +191,7 @@ def _run(job, paths, record, record_uri, name, manifest, largest, placed, timing
         # A group the cluster cannot hold is refused here: before the run writes anything.
         workers, decision, largest = placed or place(job, largest, ray_up.local_only)
         tracker, watch = _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags,
-                                targets, on_start)
+                                targets, on_start, pinned)
         timings["tracking_ready"] = time.time()
         try:
             with waiting_for_nodes(job, workers, decision, largest, log):
@@ -230,7 +234,8 @@ def _run(job, paths, record, record_uri, name, manifest, largest, placed, timing
     return summary
 
 
-def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags, targets, on_start):
+def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, mlflow_tags, targets, on_start,
+           pinned=None):
     """The run begins: its log, its MLflow run (with its dataset and tokenizer, when new), its record
     and config in storage, and the watch that posts and records its progress."""
     from training.observe.run_watch import RunWatch  # (lazy: ray.train)
@@ -244,7 +249,7 @@ def _start(job, paths, record, record_uri, name, manifest, log, mlflow_run_id, m
             log_datasets(tracker, manifest, log)
             source_of(job.data.source).track(tracker, manifest, log)
         Record(name, config_lib.identity_of(job), tracker.run_id, paths.tracking_uri,
-                  dataset={"root": manifest.root, "digest": manifest.digest}).write(record_uri)
+                  dataset={"root": manifest.root, "digest": manifest.digest}, pinned=pinned or None).write(record_uri)
         storage.write_text(storage.join(paths.run_dir, "config.yaml"), config_lib.to_yaml(job))
     return tracker, RunWatch.start(name, paths, tracker, targets, log)
 

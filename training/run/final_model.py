@@ -7,7 +7,7 @@ import torch
 
 from training.checkpoint import format as ckpt
 from training.models.family import ModelSection
-from training.models.registry import build_model
+from training.models.registry import build_model, family_of
 
 
 def load_final_model(model_section: ModelSection, manifest, checkpoint) -> torch.nn.Module:
@@ -15,6 +15,7 @@ def load_final_model(model_section: ModelSection, manifest, checkpoint) -> torch
     ray.train.Checkpoint), in eval mode. A sharded (fsdp) checkpoint is consolidated here, in this
     one process: the whole model in host memory once."""
     model = build_model(model_section, {"task": manifest.task, **manifest.spec})
+    frozen = family_of(model_section.name).checkpoints_frozen(model_section)  # (else read with the model)
     with checkpoint.as_directory() as directory:
-        model.load_state_dict(ckpt.load_model_state(directory, model))
+        ckpt.load_model_into(model, ckpt.load_model_state(directory, model, frozen), frozen, directory)
     return model.eval()

@@ -25,7 +25,7 @@ from training.metrics import KEY_METRICS, PLOTTED, mlflow_name
 from training.models.registry import family_of
 from training.observe.notify import mlflow_run_url
 from training.redaction import redact, redact_values
-from training.run import hf_export
+from training.run import generate, hf_export
 from training.run.cost import cluster_config_path, estimate_cost_metrics, gpu_nodes
 from training.run.export import export_onnx
 from training.run.final_model import load_final_model
@@ -97,7 +97,8 @@ def as_transformers_model(job: JobConfig, manifest, model: torch.nn.Module):
     hf = hf_export.hf_model(job.model, model)
     if not hf_export.is_transformers_model(model, hf):
         return None
-    tokenizer = hf_export.hf_tokenizer(job.model, job.data.options, manifest)
+    # (images: their image processor goes where a tokenizer would)
+    tokenizer = hf_export.hf_tokenizer(job.model, job.data.options, manifest) or hf_export.hf_image_processor(manifest)
     if tokenizer is None:
         return None
     hf_export.with_special_tokens(hf, tokenizer)
@@ -235,6 +236,8 @@ def finalize(job: JobConfig, manifest, result, checkpoint, tracker, summary, log
     model = None
     if checkpoint is not None and hf_export.exports_hf(job.model):
         model = write_run_hf_folder(job, manifest, checkpoint, summary, log)
+    if checkpoint is not None:
+        model = generate.generate_at_end(job, manifest, checkpoint, model, summary, log)
     if checkpoint is not None and tracker.run_id is not None:
         if not tracker.catch_up():  # the metrics first (the plot reads them back), and is MLflow there?
             summary.extra["mlflow_model_logged"] = False
@@ -244,6 +247,7 @@ def finalize(job: JobConfig, manifest, result, checkpoint, tracker, summary, log
             log_profile_traces(tracker, summary.run_dir, log)
             try:
                 log_final_artifacts(job, manifest, checkpoint, tracker, summary, log, model=model)
+                generate.log_table(tracker, summary.extra.get(generate.SUMMARY_KEY), log)
             except Exception as exc:
                 summary.extra["mlflow_model_logged"] = False
                 log(redact(f"warning: could not log the final model to MLflow at {tracker.tracking_uri} "
@@ -292,15 +296,15 @@ def write_run_hf_folder(job: JobConfig, manifest, checkpoint, summary, log) -> O
     return model
 
 
-def log_hf_folder(tracker, folder_uri: str) -> None:
+def log_hf_folder(tracker, folder_uri: str, artifact_path: str = hf_export.HF_DIR) -> None:
     """The run's HF folder as the MLflow artifacts hf/ (copied through a local folder from remote storage)."""
     if not storage.is_remote(folder_uri):
-        tracker.client.log_artifacts(tracker.run_id, storage.local_path(folder_uri), hf_export.HF_DIR)
+        tracker.client.log_artifacts(tracker.run_id, storage.local_path(folder_uri), artifact_path)
         return
     fs, path = storage.filesystem(folder_uri)
     with tempfile.TemporaryDirectory() as tmp:
         pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-        tracker.client.log_artifacts(tracker.run_id, tmp, hf_export.HF_DIR)
+        tracker.client.log_artifacts(tracker.run_id, tmp, artifact_path)
 
 
 def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, log=print,
@@ -314,6 +318,9 @@ def log_final_artifacts(job: JobConfig, manifest, checkpoint, tracker, summary, 
     # A model logged in its own flavor (the built-in gpt's pt2 graph) has its HF folder beside it.
     if summary.extra.get("hf_folder") and logged["model_format"] != "transformers":
         log_hf_folder(tracker, summary.extra["hf_folder"])
+    # An adapter run's PEFT folder (hf/adapter), beside its merged model.
+    elif any(name.startswith(hf_export.ADAPTER_DIR + "/") for name in summary.extra.get("hf_files") or ()):
+        log_hf_folder(tracker, storage.join(summary.extra["hf_folder"], hf_export.ADAPTER_DIR), hf_export.ADAPTER_DIR)
     experiment_id = tracker.client.get_run(tracker.run_id).info.experiment_id
     summary.extra["mlflow_url"] = mlflow_run_url(tracker.tracking_uri, experiment_id, tracker.run_id)
     with tempfile.TemporaryDirectory() as tmp:
@@ -354,6 +361,7 @@ def summary_lines(summary) -> list[str]:
     if summary.mlflow_run_id:
         lines.append(f"  MLflow run {summary.mlflow_run_id} at {redact(summary.tracking_uri or '')}")
     lines += registry_lines(summary)
+    lines += generate.summary_lines(summary.extra.get(generate.SUMMARY_KEY))
     if summary.mlflow_run_id and summary.tracking_uri:
         lines.append(f"  MLflow UI: {ui_hint(summary.tracking_uri, summary.extra.get('mlflow_url'))}")
     return lines

@@ -11,6 +11,9 @@ vLLM and TGI load as it is:
                                    the pretrained folder's tokenizer, else the data's (the `text`
                                    source's tokenizer.json) with its end-of-document token as EOS,
                                    BOS and pad
+    preprocessor_config.json       images: the image processor the data was prepared with (its
+                                   settings in the data's spec: training/data/image.py), which
+                                   AutoImageProcessor loads
 
 A family offers this with `hf_model(model)`: the `transformers.PreTrainedModel` of its trained network
 (the hf family's own model, the gpt family's converted). A sharded (fsdp) checkpoint is consolidated
@@ -21,6 +24,7 @@ memory once.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -31,20 +35,26 @@ from tokenizers import Tokenizer
 
 from training import config as config_lib
 from training import storage
+from training.data.chat import TEMPLATE_FILE
+from training.data.image import processor_of
 from training.data.manifest import Manifest
 from training.data.tokenizer import EOS_CANDIDATES, PAD_CANDIDATES, TOKENIZER_FILE
 from training.errors import UserError, first_line
+from training.models import hf_adapter
 from training.models.family import ModelSection
 from training.models.registry import family_of
 from training.redaction import redact
 from training.run.record import Record
-from training.tasks import LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
+from training.tasks import IMAGE_CLASSIFICATION, LANGUAGE_MODEL, PACKED_LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
 
 HF_DIR = "hf"  # a finished run's folder, in its storage (<run_dir>/hf) and among its MLflow artifacts
+ADAPTER_DIR = "adapter"  # an adapter run's PEFT folder: inside its HF folder, and among its MLflow artifacts
 # transformers' own default (save_pretrained's max_shard_size): one file up to that size, then shards.
 MAX_SHARD_SIZE = "50GB"
 # The `transformers` pipeline task of a data task, for MLflow's transformers flavor.
-PIPELINE_TASKS = {LANGUAGE_MODEL.name: "text-generation", SEQUENCE_CLASSIFICATION.name: "text-classification"}
+PIPELINE_TASKS = {LANGUAGE_MODEL.name: "text-generation", PACKED_LANGUAGE_MODEL.name: "text-generation",
+                  SEQUENCE_CLASSIFICATION.name: "text-classification",
+                  IMAGE_CLASSIFICATION.name: "image-classification"}
 
 
 def exports_hf(section: ModelSection) -> bool:
@@ -84,7 +94,7 @@ def hf_tokenizer(section: ModelSection, data_options, manifest):
     folder_of = getattr(family_of(section.name), "hf_folder", None)
     folder = folder_of(section) if callable(folder_of) else None
     if folder and any((Path(folder) / name).is_file() for name in (TOKENIZER_FILE, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(folder)
+        return with_data_template(AutoTokenizer.from_pretrained(folder), manifest)
     uri = storage.join(manifest.root, TOKENIZER_FILE)
     if not storage.exists(uri):
         return None
@@ -95,7 +105,26 @@ def hf_tokenizer(section: ModelSection, data_options, manifest):
     # as the text source packs its rows)
     bos = tokenizer.id_to_token(origin["bos_id"]) if origin.get("bos_id") is not None else eos
     pad = _first_token(tokenizer, [getattr(data_options, "pad_token", None)], PAD_CANDIDATES) or eos
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos, pad_token=pad)
+    return with_data_template(PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos,
+                                                      pad_token=pad), manifest)
+
+
+def with_data_template(tokenizer, manifest):
+    """The chat template chat data was rendered with (stored beside its tokenizer) as the tokenizer's
+    own: the exported model is then served with the template it was fine-tuned on."""
+    uri = storage.join(manifest.root, TEMPLATE_FILE) if manifest is not None else None
+    if uri and storage.exists(uri):
+        tokenizer.chat_template = storage.read_text(uri)
+    return tokenizer
+
+
+def hf_image_processor(manifest):
+    """The image processor the data's images were prepared with (PIL backend), from the settings the
+    data's spec records; None for data that is not images."""
+    settings = (getattr(manifest, "spec", None) or {}).get("image_processor")
+    if not settings:
+        return None
+    return processor_of(json.dumps(settings, sort_keys=True))
 
 
 def _first_token(tokenizer, given: list, candidates, recorded_id: Optional[int] = None) -> Optional[str]:
@@ -163,28 +192,61 @@ def write_hf_folder(job, manifest, checkpoint, out_uri: str, model=None,
         from training.run.final_model import load_final_model  # (lazy: torch)
 
         model = load_final_model(job.model, manifest, checkpoint)
+    adapter = adapter_files(job.model, model)  # (before hf_model merges the adapter into the model)
     hf = hf_model(job.model, model)
     tokenizer = hf_tokenizer(job.model, job.data.options, manifest)
     with_special_tokens(hf, tokenizer)
+    if tokenizer is None:  # (images: the processor is saved where a tokenizer would be)
+        tokenizer = hf_image_processor(manifest)
     names = (getattr(manifest, "origin", None) or {}).get("labels") if manifest is not None else None
     if names and len(names) == getattr(hf.config, "num_labels", None):  # a classifier's labels by name
         hf.config.id2label = dict(enumerate(names))
         hf.config.label2id = {name: index for index, name in enumerate(names)}
     with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
-        files = save_local(hf, tokenizer, tmp, max_shard_size)
+        files = save_local(hf, tokenizer, tmp, max_shard_size) if writes_merged(job.model) else []
+        files += save_adapter(adapter, Path(tmp) / ADAPTER_DIR)
         copy_folder(tmp, out_uri)
     return files
 
 
+def adapter_files(section: ModelSection, model) -> dict[str, bytes]:
+    """An adapter run's PEFT adapter folder (adapter_config.json, adapter_model.safetensors: a
+    few MB), by file name, from the model before its adapter is merged; {} for a run without one."""
+    if getattr(section, "adapter", None) is None:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="hf-adapter-") as tmp:
+        hf_adapter.save_folder(model, Path(tmp))
+        return {path.name: path.read_bytes() for path in Path(tmp).iterdir()}
+
+
+def save_adapter(files: dict[str, bytes], directory: Path) -> list[str]:
+    """The adapter folder's files into `directory` (none: nothing); their names in the HF folder."""
+    if not files:
+        return []
+    directory.mkdir()
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
+    return [f"{directory.name}/{name}" for name in sorted(files)]
+
+
+def writes_merged(section: ModelSection) -> bool:
+    """Whether the HF folder holds the whole model: an adapter run's merged into its base unless
+    model.adapter.merge is false (then its folder holds the adapter folder alone)."""
+    adapter = getattr(section, "adapter", None)
+    return adapter is None or adapter.merge
+
+
 def log_transformers_model(hf, tokenizer, task: str, name: str, signature=None):
-    """Log `hf` and its tokenizer with MLflow's transformers flavor (inside an active run); returns
-    the ModelInfo. The requirements are given: MLflow would infer them by importing what the model's
-    modules import (torchvision among them, not installed) and fails."""
+    """Log `hf` and its tokenizer (or image processor) with MLflow's transformers flavor (inside an
+    active run); returns the ModelInfo. The requirements are given: MLflow would infer them by
+    importing what the model's modules import (torchvision among them, not installed) and fails."""
     import mlflow.transformers  # (lazy: mlflow)
 
+    images = task == PIPELINE_TASKS[IMAGE_CLASSIFICATION.name]
     requirements = [f"{package}=={metadata.version(package).split('+')[0]}"
-                    for package in ("torch", "transformers", "tokenizers", "safetensors")]
-    return mlflow.transformers.log_model(transformers_model={"model": hf, "tokenizer": tokenizer}, name=name,
+                    for package in ("torch", "transformers", "tokenizers", "safetensors", *(("pillow",) * images))]
+    component = "image_processor" if images else "tokenizer"
+    return mlflow.transformers.log_model(transformers_model={"model": hf, component: tokenizer}, name=name,
                                          task=task, pip_requirements=requirements, signature=signature)
 
 

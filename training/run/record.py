@@ -24,6 +24,7 @@ class Record:
     created: float = field(default_factory=time.time)
     registered: Optional[dict] = None  # a sweep's best model, once registered: registered once only
     dataset: Optional[dict] = None  # a run's prepared data when it started: {root, digest}
+    pinned: Optional[dict] = None  # {option: digest} of what it read besides its data (family.pinned)
 
     @classmethod
     def read(cls, uri: str, name: str, what: str) -> Optional["Record"]:
@@ -43,7 +44,7 @@ class Record:
                             "to start the run afresh") from None
         run_id = raw.get("mlflow_run_id", raw.get("parent_run_id"))  # sweeps wrote parent_run_id
         return cls(raw.get("name", name), identity, run_id, raw.get("tracking_uri"), raw.get("created", 0.0),
-                   raw.get("registered"), raw.get("dataset"))
+                   raw.get("registered"), raw.get("dataset"), raw.get("pinned"))
 
     def write(self, uri: str) -> None:
         record = asdict(self)

@@ -10,10 +10,11 @@ from training.config import OptimConfig
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Over the parameters that train (a frozen base under an adapter holds no optimizer state)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if optim.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=optim.lr, momentum=optim.momentum,
-                               weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
 def lr_factor(optim: OptimConfig, total_steps: int):

@@ -175,8 +175,9 @@ def start_worker(config: WorkerConfig) -> Worker:
         family.load_after_sharding(config.model, model, device)
     optimizer = build_optimizer(config.optim, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.optim, total_steps))
+    frozen = family.checkpoints_frozen(config.model)
     state = resume(config.run_dir, config.initial_checkpoint, model, optimizer, scheduler, sharded,
-                  agree=failure.lockstep)
+                  agree=failure.lockstep, frozen=frozen)
 
     progress = Progress(RunFacts(
         config.train.global_batch_size, data.steps_per_epoch, total_steps, world_size, start_step=state.step,
@@ -187,7 +188,7 @@ def start_worker(config: WorkerConfig) -> Worker:
     mode.start(state, model, optimizer, scheduler, progress)
     reporter = CheckpointReporter(config.job_record, config.checkpoint.upload, config.run_dir, model=model,
                                   optimizer=optimizer, scheduler=scheduler, sharded=sharded, rank=rank,
-                                  steps_per_epoch=data.steps_per_epoch, world_size=world_size)
+                                  steps_per_epoch=data.steps_per_epoch, world_size=world_size, frozen=frozen)
     profiler = StepProfiler(config.train.profile, rank, device, config.run_dir)
     return Worker(config, rank, device, task, plan, data, val_rows, total_steps, loss_scale,
                   parallel.autocast(config.train.precision, device), model, train_model, optimizer, scheduler, sharded,
