@@ -3,6 +3,7 @@ AWS env vars), and a fake EC2 instance metadata service (IMDSv2) with spot notic
 profile's credentials."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,11 +24,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def moto_server():
+def moto_server(env: dict | None = None, cwd: Path | None = None):
+    """A moto_server on a free loopback port, its endpoint yielded once it answers; `env`: added to
+    this process's environment for it (moto's settings, such as its request recorder)."""
     port = free_port()
     binary = Path(sys.executable).parent / "moto_server"
-    process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], env={**os.environ, **(env or {})},
+                               cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while True:

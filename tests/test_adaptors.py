@@ -224,6 +224,28 @@ def test_mlflow_messages_carry_run_metrics_and_status():
     assert update.run_id == "r1" and update.end_time == 2000 and update.status != 0
 
 
+
+def test_mlflow_event_output_is_written_through_its_one_stream(monkeypatch):
+    """training/run/console.py tells MLflow's events from other output by the module that writes
+    them to sys.stderr: MLflow's loggers must write through that stream."""
+    import io
+    import sys
+
+    import mlflow  # noqa: F401  (configures MLflow's loggers)
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            callers.append(mlflow_private.written_by_mlflow_stream(sys._getframe(1)))
+            return super().write(text)
+
+    callers = []
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    logging.getLogger("mlflow.tracking").warning("an event of MLflow's")
+    assert "an event of MLflow's" in sys.stderr.getvalue()
+    assert callers and all(callers)
+    print("not MLflow's", file=sys.stderr)
+    assert not callers[-1]
+
 SECRETS = ["mlflow-cluster.db", "slurm-1234.out", "deploy.pem", ".env", ".ray/session_latest/logs/raylet.out",
            "nested/.env", "nested/key.pem"]
 

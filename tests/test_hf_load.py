@@ -5,16 +5,14 @@ from safetensors, with logits equal to a plain `from_pretrained` model's."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from aws import AWS_ENV, create_bucket, free_port
+from aws import AWS_ENV, create_bucket, free_port, moto_server
 from conftest import REPO
 
 from training.errors import DataError, UserError
@@ -55,23 +53,9 @@ def plain_logits(folder: Path) -> "torch.Tensor":
 @contextmanager
 def recorded_moto(tmp_path: Path):
     """A moto_server of this module's own whose request log (moto's recorder) the tests read."""
-    port, log = free_port(), tmp_path / "requests.jsonl"
-    process = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                               env={**os.environ, "MOTO_ENABLE_RECORDING": "1", "MOTO_RECORDER_FILEPATH": str(log)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "moto_server did not start"
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", log
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    log = tmp_path / "requests.jsonl"
+    with moto_server(env={"MOTO_ENABLE_RECORDING": "1", "MOTO_RECORDER_FILEPATH": str(log)}, cwd=tmp_path) as endpoint:
+        yield endpoint, log
 
 
 def reset_log(endpoint: str) -> None:

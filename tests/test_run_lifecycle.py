@@ -112,6 +112,26 @@ def stop(process: subprocess.Popen, how: signal.Signals) -> int:
         raise AssertionError(f"{how.name}: the run did not stop within {STOPS_WITHIN_S} s") from None
 
 
+def stopped_after_a_checkpoint(job: Path, ray_dir: Path, tag: str, how: signal.Signals, beyond: int = 0):
+    """The run `life` started, sent `how` once it has a complete checkpoint after step `beyond`:
+    the command's exit code, stdout and stderr."""
+    process = start(job, ray_dir, "life", tag=tag)
+
+    def checkpointed():
+        if process.poll() is not None:
+            raise AssertionError(f"the command ended ({process.returncode}) before a checkpoint after step "
+                                 f"{beyond}: {text(job, tag)[1][-2000:]}")
+        return newest_complete(job / "runs" / "life", beyond=beyond)
+
+    try:
+        wait_for(checkpointed, 300, f"a checkpoint after step {beyond} ({text(job, tag)[1][-2000:]})")
+        code = stop(process, how)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return (code, *text(job, tag))
+
+
 @pytest.fixture
 def job(tmp_path):
     shutil.copy(REPO / "tests" / "plugins" / "examples.py", tmp_path / "my_plugins.py")
@@ -119,18 +139,11 @@ def job(tmp_path):
     return tmp_path
 
 
-def test_ctrl_c_and_sigterm_stop_a_run_that_the_same_command_resumes(job):
+def test_ctrl_c_and_sigterm_stop_a_run_that_the_same_command_resumes(job, empty_mlflow_db):
+    shutil.copy(empty_mlflow_db, job / "mlflow.db")  # (a new store's migrations take seconds)
     run_dir = job / "runs" / "life"
     with own_ray_dir() as ray_dir:
-        first = start(job, ray_dir, "life", tag="first")
-        try:
-            step = wait_for(lambda: first.poll() is None and newest_complete(run_dir), 300,
-                            f"a checkpoint ({text(job, 'first')[1][-2000:]})")
-            code = stop(first, signal.SIGINT)
-        finally:
-            if first.poll() is None:
-                os.killpg(first.pid, signal.SIGKILL)
-        out, err = text(job, "first")
+        code, out, err = stopped_after_a_checkpoint(job, ray_dir, "first", signal.SIGINT)
         assert code == 130, out[-2000:] + err[-3000:]
         assert err.strip().splitlines()[-1] == "interrupted; run the same command with the same --name to resume"
         assert "KeyboardInterrupt" not in err and "SystemExit" not in err, err[-3000:]
@@ -140,15 +153,8 @@ def test_ctrl_c_and_sigterm_stop_a_run_that_the_same_command_resumes(job):
         step = newest_complete(run_dir)
         assert step is not None and f"from step {step}" in detail  # its newest complete checkpoint, intact
 
-        second = start(job, ray_dir, "life", tag="second")  # the same command
-        try:
-            wait_for(lambda: second.poll() is None and newest_complete(run_dir, beyond=step), 300,
-                               f"a checkpoint after step {step} ({text(job, 'second')[1][-2000:]})")
-            code = stop(second, signal.SIGTERM)
-        finally:
-            if second.poll() is None:
-                os.killpg(second.pid, signal.SIGKILL)
-        out, err = text(job, "second")
+        # the same command
+        code, out, err = stopped_after_a_checkpoint(job, ray_dir, "second", signal.SIGTERM, beyond=step)
         assert "run life: resuming" in out and f"resumed from step {step}" in out + err, out[-2000:]
         assert code == 143, out[-2000:] + err[-3000:]
         assert err.strip().splitlines()[-1] == "interrupted; run the same command with the same --name to resume"

@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from training.run.console import _ANSI, _RAY_PREFIX, OWN_WARNINGS, ConsoleRouter, Place, Routed, RunLog, console_log
+from training.run.console import ANSI, OWN_WARNINGS, RAY_PREFIX, ConsoleRouter, Place, Routed, RunLog, console_log
 
 # The trial events' logger (tuning/events.py), by name: importing that module imports Ray, which a
 # sweep refused for bad input never starts.
@@ -25,8 +25,8 @@ class SweepRouter(ConsoleRouter):
     own events as in a training run's console)."""
 
     def route(self, line: str, is_err: bool = False) -> Routed:
-        prefix = _RAY_PREFIX.match(line)
-        text = _ANSI.sub("", line[prefix.end():] if prefix else line)
+        prefix = RAY_PREFIX.match(line)
+        text = ANSI.sub("", line[prefix.end():] if prefix else line)
         if text.startswith(OWN_WARNINGS):
             return Routed(Place.CONSOLE, text)
         return Routed(Place.LOG, line)

@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import json
 
+# MLflow writes all its event output in a process (its loggers' records, and the lines it prints,
+# such as "Registered model 'x' already exists. Creating a new version of this model...") through one
+# stream, MLFLOW_LOGGING_STREAM of this module, which forwards each write to sys.stderr as it is at
+# that moment. A write coming from it is one of MLflow's events, whole: a record may span many lines
+# (a failed input-example validation carries the example's JSON and the error).
+MLFLOW_STREAM_MODULE = "mlflow.utils.logging_utils"
+
+
+def written_by_mlflow_stream(caller) -> bool:
+    """Whether the frame `caller`, the one that called a stream's write, is MLflow's event stream."""
+    return caller.f_globals.get("__name__") == MLFLOW_STREAM_MODULE
+
 
 def host_creds(client):
     """The REST store's credentials of an `MlflowClient`, or None for a local store (sqlite)."""

@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
 from training import topics
+from training.adaptors.mlflow_private import written_by_mlflow_stream
 from training.redaction import redact
 from training.topics import TOPICS
 
 # Ray prefixes each line it forwards from a worker process: "(<actor or task> pid=N[, ip=A]) ",
 # in colour codes unless RAY_COLOR_PREFIX=0 (see ray._private.worker.print_worker_logs).
 _COLOUR = r"(?:\x1b\[[0-9;]*m)?"
-_RAY_PREFIX = re.compile(rf"^{_COLOUR}\((?P<source>[^()]*?)\s*(?P<pid>pid=[0-9]+)(?:, ip=[^)]*)?\){_COLOUR} ?")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+RAY_PREFIX = re.compile(rf"^{_COLOUR}\((?P<source>[^()]*?)\s*(?P<pid>pid=[0-9]+)(?:, ip=[^)]*)?\){_COLOUR} ?")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # The raylet's own lines come as "(raylet[, ip=A]) ..."; this one, one long line, is how a killed or
 # crashed worker process shows (the controller's line after it says what Ray Train does about it).
 _RAYLET_PREFIX = re.compile(rf"^{_COLOUR}\(raylet(?:, ip=(?P<ip>[^)]*))?\){_COLOUR} ?")
@@ -59,13 +60,7 @@ OWN_WARNINGS = tuple(topics.line(topic, "") for topic in TOPICS)
 # node.py:438 -- ...", "2026/12/03 07:08:58 WARNING mlflow.pytorch: ..."): their internals, in the log file.
 _LIBRARY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?:DEBUG|INFO|WARNING) \S+\.py:\d+ -- "
                              r"|^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?:DEBUG|INFO|WARNING) mlflow[.:]")
-# MLflow writes all its event output in this process (its loggers' records, and the lines it prints,
-# such as "Registered model 'x' already exists. Creating a new version of this model...") through one
-# stream, MLFLOW_LOGGING_STREAM of this module, which forwards each write to sys.stderr as it is at
-# that moment. A write from it is one of MLflow's events, whole: a record may span many lines (a
-# failed input-example validation carries the example's JSON and the error), which line by line
-# would not read as MLflow's.
-MLFLOW_STREAM_MODULE = "mlflow.utils.logging_utils"
+# MLflow's own events (training/adaptors/mlflow_private.py: written_by_mlflow_stream): only its errors shown.
 _MLFLOW_SHOWN = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?:ERROR|CRITICAL) ")
 
 
@@ -91,31 +86,31 @@ class ConsoleRouter:
 
     def route(self, line: str, is_err: bool = False) -> Routed:
         """`is_err`: the line came on stderr (Ray forwards a process's stderr to the driver's)."""
-        match = _RAY_PREFIX.match(line)
+        match = RAY_PREFIX.match(line)
         if match:
             source = match.group("source").split(".")[0].strip()
             if source == "TrainController":
                 # Its stdout is this run's progress lines (training/tracking/callback.py), shown as the
                 # run's own; its stderr is Ray Train's logging, but for this project's own warnings.
-                text = _ANSI.sub("", line[match.end():])
+                text = ANSI.sub("", line[match.end():])
                 if not is_err or text.startswith(OWN_WARNINGS):
                     return Routed(Place.CONSOLE, text)
                 return Routed(Place.LOG, line)
             if source in RAY_INTERNAL_SOURCES or any(noise in line for noise in NOISE):
                 return Routed(Place.LOG, line)
-            return self._worker_line(match.group("pid"), _ANSI.sub("", line), _ANSI.sub("", line[match.end():]))
+            return self._worker_line(match.group("pid"), ANSI.sub("", line), ANSI.sub("", line[match.end():]))
         raylet = _RAYLET_PREFIX.match(line)
         if raylet and _WORKER_DIED in line:
-            return Routed(Place.CONSOLE, worker_died_line(_ANSI.sub("", line[raylet.end():]), raylet.group("ip")))
+            return Routed(Place.CONSOLE, worker_died_line(ANSI.sub("", line[raylet.end():]), raylet.group("ip")))
         if any(noise in line for noise in NOISE) or _LIBRARY_RECORD.match(line):
             return Routed(Place.LOG, line)
-        return Routed(Place.CONSOLE, _ANSI.sub("", line))
+        return Routed(Place.CONSOLE, ANSI.sub("", line))
 
     @staticmethod
     def mlflow_event(text: str) -> Place:
-        """One of MLflow's own events (see MLFLOW_STREAM_MODULE), all its lines: only its errors are
-        the user's to see; its progress and warnings go to the log file."""
-        return Place.CONSOLE if _MLFLOW_SHOWN.match(_ANSI.sub("", text)) else Place.LOG
+        """One of MLflow's own events (mlflow_private.written_by_mlflow_stream), all its lines: only its
+        errors are the user's to see; its progress and warnings go to the log file."""
+        return Place.CONSOLE if _MLFLOW_SHOWN.match(ANSI.sub("", text)) else Place.LOG
 
     def _worker_line(self, process: str, line: str, text: str) -> Routed:
         """A worker's own output (a plug-in's print, this project's lines): shown once (Ray Train's
@@ -228,7 +223,7 @@ class _RoutedStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        if sys._getframe(1).f_globals.get("__name__") == MLFLOW_STREAM_MODULE:
+        if written_by_mlflow_stream(sys._getframe(1)):
             self._mlflow_event += text
             if self._mlflow_event.endswith("\n"):
                 self._emit_mlflow_event()
@@ -241,12 +236,12 @@ class _RoutedStream(io.TextIOBase):
 
     def _emit(self, line: str) -> None:
         routed = self.router.route(line, self.is_err)
-        self.log.write(_ANSI.sub("", line) + "\n")
+        self.log.write(ANSI.sub("", line) + "\n")
         if routed.place is Place.CONSOLE:
             self.console.write(routed.text + "\n")
 
     def _emit_mlflow_event(self) -> None:
-        event, self._mlflow_event = _ANSI.sub("", self._mlflow_event), ""
+        event, self._mlflow_event = ANSI.sub("", self._mlflow_event), ""
         self.log.write(event if event.endswith("\n") else event + "\n")
         if self.router.mlflow_event(event) is Place.CONSOLE:
             self.console.write(event if event.endswith("\n") else event + "\n")
