@@ -25,7 +25,8 @@ COMMAND = [sys.executable, "-m", "training", str(CONFIGS / "digits.yaml"), "--na
            "--set", "train.eval_every_n_steps=200", "--set", "train.global_batch_size=32",
            "--set", "failure.mode=continue", "--set", "scaling.num_workers=2",
            "--set", "scaling.cpus_per_worker=0.5",  # (2 CPUs: two workers and torchft's lighthouse)
-           "--set", "train.min_report_interval_s=0", "--set", "tracking.register_model=false"]
+           "--set", "train.min_report_interval_s=0", "--set", "tracking.register_model=false",
+           "--set", "tracking.export_onnx=false"]  # (nothing here is about the exported model)
 
 
 def environment(base):

@@ -92,7 +92,7 @@ def test_job_submit_runs_training_on_the_cluster(head, tmp_path, empty_mlflow_db
 SWEEP = """
 base: training/configs/digits.yaml
 set: [train.max_steps=400, train.eval_every_n_steps=200, checkpoint.every_n_steps=200, \
-tracking.experiment=submitted-sweeps]
+tracking.experiment=submitted-sweeps, tracking.export_onnx=false]
 space:
   optim.lr: {loguniform: [0.01, 0.05]}
 search: {algorithm: optuna, seed: 0}

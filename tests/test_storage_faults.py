@@ -128,7 +128,7 @@ def test_training_checkpoints_to_s3_and_a_named_run_resumes_in_the_same_mlflow_r
     try:
         overrides = ["checkpoint.storage_path=s3://ckpts/runs", "train.eval_every_n_steps=20",
                      "checkpoint.every_n_steps=20", "train.log_every_n_steps=5", "train.min_report_interval_s=0",
-                     "scaling.num_workers=1", "tracking.register_model=false"]
+                     "scaling.num_workers=1", "tracking.register_model=false", "tracking.export_onnx=false"]
         first = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=40"], name="again"))
         assert first.steps == 40 and not first.resumed
         second = run_training(config_lib.load(CONFIGS / "digits.yaml", overrides + ["train.max_steps=80"],

@@ -1,13 +1,15 @@
 """The console of `python -m tuning`: one line per trial event and the result, everything else
-(Tune's tables, Ray's and the trials' own output) in the sweep's log file."""
+(Tune's tables, Ray's and the trials' own output) in the sweep's log file. The same sweep's trials
+that ASHA stopped keep what they reported (tests/test_sweep_stopped_trials.py)."""
 
 import pytest
-from test_sweep_stopped_trials import SWEEP
+from test_sweep_stopped_trials import SWEEP, assert_stopped_trials_keep_their_metrics_and_end_finished
 
 from tuning import cli
 from tuning import config as sweep_config
 from tuning.console import SweepRouter
 from tuning.schedule import tune_config
+from tuning.sweep import run_sweep
 
 CYAN, RESET = "\x1b[36m", "\x1b[0m"
 TABLE = ("╭", "│", "├", "╰", "Trial status:", "Trial train_trial_")
@@ -41,10 +43,18 @@ def test_tune_is_given_max_concurrent_trials_only_where_it_applies_it(tmp_path, 
 
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_a_sweeps_console_is_its_trial_events_and_its_result(ray_cluster, workdir, capsys):
+def test_a_sweeps_console_is_its_trial_events_and_its_result(ray_cluster, workdir, capsys, monkeypatch):
+    """`python -m tuning` on an ASHA sweep of 4 trials; the same sweep's stopped trials then keep what
+    they reported (one sweep for both checks: a sweep costs about a minute)."""
     path = workdir / "sweep.yaml"
     path.write_text(SWEEP)
+    summaries = []  # what the command's sweep returned, for the checks of its stopped trials
 
+    def run_and_keep(*args, **kwargs):
+        summaries.append(run_sweep(*args, **kwargs))
+        return summaries[-1]
+
+    monkeypatch.setattr(cli, "run_sweep", run_and_keep)
     assert cli.main([str(path), "--name", "quiet"]) == 0
 
     lines = capsys.readouterr().out.splitlines()
@@ -72,3 +82,4 @@ def test_a_sweeps_console_is_its_trial_events_and_its_result(ray_cluster, workdi
     assert "Trial status:" in log and "╭" in log  # Tune's tables, in the log
     assert all(line in log for line in events)
     assert "max_concurrent_trials` will be ignored" not in log
+    assert_stopped_trials_keep_their_metrics_and_end_finished(summaries[0], workdir)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 FIRST_STEPS, STEPS = 100, 500
 SWEEP = f"""base: {REPO / 'training' / 'configs' / 'digits.yaml'}
 set: [train.eval_every_n_steps=20, checkpoint.every_n_steps=20, train.log_every_n_steps=10,
-      train.min_report_interval_s=0, tracking.experiment=sweeps]
+      train.min_report_interval_s=0, tracking.experiment=sweeps, tracking.export_onnx=false]
 space:
   train.max_steps: {{grid: [{FIRST_STEPS}, {STEPS}]}}
 num_samples: 1
