@@ -163,16 +163,20 @@ def _tune(sweep: Sweep, paths, parent_run_id: Optional[str], log):
         path = sweep_dir(sweep)
         release = resources.ReleaseStoppedTrials()
         resources.ReleaseStoppedTrials.begin_sweep()
-        resumed = tune.Tuner.can_restore(path)
+        # (Tune resolves a URI with pyarrow, which misreads Azure's: Azure goes to it as a filesystem and a path)
+        tune_path, tune_fs = storage.for_ray_train(path)
+        resumed = tune.Tuner.can_restore(tune_path, storage_filesystem=tune_fs)
         if resumed:
             log(f"sweep {sweep.name}: resuming from {path}")
-            tuner = tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True, resume_errored=False)
+            tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                       storage_filesystem=tune_fs)
         else:
             tuner = tune.Tuner(
                 trainable, param_space=schedule.param_space(sweep),
                 tune_config=schedule.tune_config(sweep, decision.trials),
                 run_config=tune.RunConfig(
-                    name=sweep.name, storage_path=storage.join(paths.storage_path, "sweeps"),
+                    name=sweep.name, storage_path=storage.for_ray_train(storage.join(paths.storage_path, "sweeps"))[0],
+                    storage_filesystem=tune_fs,
                     callbacks=[release, SweepEvents(sweep.config.metric, sweep.config.scheduler.name,
                                                     paths.storage_path)],
                     failure_config=tune.FailureConfig(max_failures=sweep.config.trial.max_failures),

@@ -101,7 +101,6 @@ def list_files(paths, filters: Optional[dict] = None) -> list[DataFile]:
     found: dict[str, DataFile] = {}
     for spec in as_list(paths):
         fs, path = storage.filesystem(spec)
-        scheme = spec[:spec.index("://") + 3] if "://" in spec else ""
         pattern = None
         if any(c in path for c in "*?["):
             cut = min(path.index(c) for c in "*?[" if c in path)
@@ -124,7 +123,7 @@ def list_files(paths, filters: Optional[dict] = None) -> list[DataFile]:
             partition = hive_partition(entry.path)  # (the given path's own key=value folders count too)
             if any(partition.get(k) not in vals for k, vals in wanted.items()):
                 continue
-            uri = scheme + entry.path if scheme else entry.path
+            uri = storage.uri_at(spec, entry.path)
             found[uri] = DataFile(uri, int(entry.size), int(entry.mtime_ns or 0), partition, relative)
     if not found:
         raise DataError(f"no data files under {', '.join(as_list(paths))}"

@@ -183,7 +183,7 @@ class FileReader:
         bucket = "/".join(uri.split("/", 3)[:3])  # scheme://bucket
         if bucket not in self._filesystems:
             self._filesystems[bucket] = storage.filesystem(uri)[0]
-        return self._filesystems[bucket], uri.split("://", 1)[1]  # (an object store's path: bucket/key)
+        return self._filesystems[bucket], storage.object_path(uri)  # (an object store's path: bucket/key)
 
     def load(self, group_id: int) -> dict[str, np.ndarray]:
         group = self.groups[group_id]

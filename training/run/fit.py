@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from training import storage
 from training.adaptors.ray_private import caused_by, torch_trainer_class, unplaceable_workers, worker_failures
 from training.config import JobConfig
 from training.errors import DataError, RunFailed, UserError, first_line, last_line
@@ -28,8 +29,9 @@ def fit(job: JobConfig, paths: RunPaths, manifest_root: str, tracker, workers: W
         else tuple(job.scaling.num_workers),
         use_gpu=workers.use_gpu, resources_per_worker=workers.per_worker,
         elastic_resize_monitor_interval_s=job.scaling.resize_check_interval_s)
+    storage_path, storage_filesystem = storage.for_ray_train(paths.storage_path)
     run_config = ray.train.RunConfig(
-        name=job.name, storage_path=paths.storage_path,
+        name=job.name, storage_path=storage_path, storage_filesystem=storage_filesystem,
         failure_config=ray.train.FailureConfig(max_failures=job.failure.max_failures,
                                                max_preemption_failures=job.failure.max_preemption_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.keep,
