@@ -327,3 +327,38 @@ def test_a_forward_on_no_rows_returns_no_logits():
     assert model(torch.zeros((0, 16), dtype=torch.int64)).logits.shape == (0, 16, 300)
     bert = built(hf(config=BERT, task="sequence_classification"), "sequence_classification", LABELS)
     assert bert(torch.zeros((0, 16), dtype=torch.int64), torch.zeros((0, 16), dtype=torch.int8)).logits.shape == (0, 3)
+
+
+# --- Hub ids ----------------------------------------------------------------------------------------
+
+def test_a_hub_id_is_read_through_the_hugging_face_cache_and_refused_offline_when_not_there(
+        llama_folder, tmp_path, monkeypatch):
+    """ORG/NAME (no such folder) is the Hub model hf://ORG/NAME, resolved by huggingface_hub's own
+    cache: here a cache laid out as huggingface_hub writes it (nothing can be downloaded here), read
+    with HF_HUB_OFFLINE; a model not in the cache offline exits 2 naming the option and the cache."""
+    from huggingface_hub import constants
+
+    from training.models import hf_nn
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local" / "llama").mkdir(parents=True)
+    assert hf(pretrained="local/llama").options.pretrained == str(tmp_path / "local" / "llama")  # (a folder)
+    assert hf(pretrained="acme/tiny-llama").options.pretrained == "hf://acme/tiny-llama"
+    assert hf(pretrained="hf://acme/tiny-llama@v2").options.pretrained == "hf://acme/tiny-llama@v2"
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(llama_folder[0], cache / "models--acme--tiny-llama" / "snapshots" / commit)
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    section = hf(pretrained="acme/tiny-llama")
+    assert hf_nn.local_folder(section.options) == str(cache / "models--acme--tiny-llama" / "snapshots" / commit)
+    check_model_builds(section, "language_model", TEXT)
+    with torch.no_grad():
+        assert torch.equal(built(section)(llama_folder[1]).logits, llama_folder[2])
+
+    with pytest.raises(UserError, match=r"model.options.pretrained: hf://acme/absent is not in the Hugging Face "
+                                        rf"cache \({cache}\) and HF_HUB_OFFLINE is set"):
+        check_model_builds(hf(pretrained="acme/absent"), "language_model", TEXT)

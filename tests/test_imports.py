@@ -16,7 +16,8 @@ PACKAGES = ("training", "tuning", "cluster", "bench")
 # torch` for torch's own parts: torch.distributed.checkpoint 1.0 s, ray.train 0.9 s beyond ray's 0.4).
 HEAVY = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ray", "ray.train", "ray.tune", "ray.data",
          "mlflow", "mlflow.pytorch", "sklearn", "matplotlib", "pyspark", "onnx", "onnxruntime", "torchft",
-         "transformers", "peft", "safetensors", "boto3", "botocore", "optuna", "pandas", "pyarrow.dataset",
+         "transformers", "huggingface_hub", "peft", "safetensors", "boto3", "botocore", "optuna", "pandas",
+         "pyarrow.dataset",
          "cloudsplaining", "parliament", "grpc",
          # optional dependencies, installed where they serve (the `gpu` extra; azure-identity for live Azure checks)
          "pynvml", "azure.identity", "vllm",

@@ -17,6 +17,7 @@ attention mask, a label); image_classification (ResNet, ViT...), the `image_clas
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal, Optional
 
 from pydantic import field_validator, model_serializer, model_validator
@@ -25,8 +26,12 @@ from training import storage
 from training.models import hf_adapter, hf_load
 from training.models.family import ModelFamily, ModelSection
 from training.models.hf_adapter import AdapterSection, check_fits
+from training.models.hf_load import HUB
 from training.schema import Section, printable
 from training.tasks import IMAGE_CLASSIFICATION, LANGUAGE_MODEL, PACKED_LANGUAGE_MODEL, SEQUENCE_CLASSIFICATION
+
+# ORG/NAME[@REVISION] of a Hub model (a relative path of that form that exists is the folder).
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
 
 # The model's task -> the data's (training/tasks.py).
 DATA_TASK = {"causal_lm": LANGUAGE_MODEL.name, "sequence_classification": SEQUENCE_CLASSIFICATION.name,
@@ -42,7 +47,8 @@ def data_task(task: str, spec: dict) -> str:
 
 
 class HFOptions(Section):
-    # A folder written by `save_pretrained` (config.json and *.safetensors): a local path or a URI.
+    # A folder written by `save_pretrained` (config.json and *.safetensors): a local path or a URI; or
+    # a model on the Hugging Face Hub, hf://ORG/NAME[@REVISION] (ORG/NAME where no such folder exists).
     pretrained: Optional[str] = None
     # Or an architecture to train from scratch: a transformers config's keys, `model_type` among them.
     # vocab_size (and num_labels) left out are the data's.
@@ -60,6 +66,8 @@ class HFOptions(Section):
             raise ValueError("must not be empty: a folder written by save_pretrained, or an s3:// URI of one")
         if value is None or storage.is_remote(value):
             return printable(value)
+        if HUB_ID.fullmatch(value) and not os.path.exists(os.path.expanduser(value)):
+            return printable(HUB + value)  # (ORG/NAME, as the Hub and from_pretrained name it)
         # A local folder relative to the driver's working directory, as data paths are: made absolute
         # here, on the driver, because Ray's workers run in another working directory.
         return printable(os.path.abspath(os.path.expanduser(storage.local_path(value))))

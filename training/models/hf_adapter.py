@@ -102,9 +102,11 @@ def apply(adapter: AdapterSection, model: nn.Module, options: HFOptions) -> None
         raise UserError(f"model.adapter.r: {adapter.r} is more than the rank of the smallest targeted weight "
                         f"({narrowest}: {available[narrowest][0]} -> {available[narrowest][1]}); use at most "
                         f"{min(available[narrowest])}")
-    # (the option as given, not this node's copy of the folder: the adapter folder names its base by it)
+    # (the option as given, not this node's copy of the folder: the adapter folder names its base by
+    # it; a Hub id as PEFT and from_pretrained name it, ORG/NAME)
+    base = options.pretrained.removeprefix("hf://")
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=targets,
-                        bias=adapter.bias, task_type="CAUSAL_LM", base_model_name_or_path=options.pretrained)
+                        bias=adapter.bias, task_type="CAUSAL_LM", base_model_name_or_path=base)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
 
 

@@ -19,6 +19,7 @@ from training import storage
 from training.errors import DataError, StorageUnavailable, UserError, first_line, last_line
 
 OPTION = "model.options.pretrained"
+HUB = "hf://"  # a model on the Hugging Face Hub: hf://ORG/NAME, or hf://ORG/NAME@REVISION
 MANIFEST = ".complete.json"  # in the cache folder: {file: [size, etag]} of each file fully copied and checked
 CHUNK_BYTES = 16 << 20
 _MIB = 1 << 20
@@ -32,6 +33,29 @@ log = logging.getLogger(__name__)
 def default_cache_root() -> str:
     """Per node, kept across runs and Ray sessions: $TRAINING_HF_CACHE, else ~/.cache/training/hf."""
     return os.environ.get("TRAINING_HF_CACHE") or os.path.expanduser("~/.cache/training/hf")
+
+
+def hub_folder(uri: str) -> str:
+    """A Hub model's folder in huggingface_hub's own cache ($HF_HUB_CACHE, else $HF_HOME/hub: what
+    `from_pretrained` would download, shared with it), downloaded once per node (huggingface_hub
+    locks each file) and only its config, weights, tokenizer and processor files. HF_HUB_OFFLINE=1:
+    the cache alone. Not found, gated, or offline and not cached: UserError; the Hub unreachable:
+    StorageUnavailable (retried as any storage outage)."""
+    from huggingface_hub import constants, errors, snapshot_download  # (lazy: Hub ids only)
+
+    repo, _, revision = uri.removeprefix(HUB).partition("@")
+    try:
+        return snapshot_download(
+            repo, revision=revision or None,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"])
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as exc:
+        raise UserError(f"{OPTION}: {uri}: {first_line(exc)}") from None
+    except errors.LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise UserError(f"{OPTION}: {uri} is not in the Hugging Face cache "
+                            f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: download it "
+                            "where the Hub is reachable, or give a folder (local or s3://)") from None
+        raise StorageUnavailable(f"{OPTION}: {uri}: the Hugging Face Hub cannot be reached") from None
 
 
 def node_local_folder(uri: str, cache_root: str | None = None) -> str:

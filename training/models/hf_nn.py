@@ -36,13 +36,15 @@ def local_folder(options: HFOptions) -> str:
     """The pretrained folder on this node: the folder itself, or a URI's files copied once per node
     (training/models/hf_load.py); UserError naming model.options.pretrained if it is not a folder."""
     uri = options.pretrained
-    if "://" in uri and not uri.startswith("file://"):
+    if uri.startswith(hf_load.HUB):
+        uri = hf_load.hub_folder(uri)
+    elif "://" in uri and not uri.startswith("file://"):
         uri = hf_load.node_local_folder(uri)
     folder = Path(uri.removeprefix("file://")).expanduser()
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise UserError(f"model.options.pretrained: {options.pretrained} {what} (a folder written by "
-                        "save_pretrained, or an s3:// URI of one; nothing is downloaded from the Hub here)")
+                        "save_pretrained, an s3:// URI of one, or a Hub id: hf://ORG/NAME)")
     if not (folder / "config.json").is_file():
         raise UserError(f"model.options.pretrained: {options.pretrained} has no config.json: is it a folder "
                         "written by save_pretrained?")
