@@ -150,8 +150,10 @@ def process_group_of_one():
 
 
 def _one_step(model, train_model, tokens):
+    from training.tasks import logits_of
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    logits = train_model(tokens[:, :-1])
+    logits = logits_of(train_model(tokens[:, :-1]))
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -159,8 +161,24 @@ def _one_step(model, train_model, tokens):
     return loss.item()
 
 
+def _model_and_blocks(kind: str):
+    """The built-in GPT (dropout 0.1) or an HF Llama built by the hf family, and its blocks."""
+    from training.models.registry import build_model, family_of, model_section
+
+    if kind == "gpt":
+        model = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
+        return model, GPT_FAMILY.blocks(model)
+    section = model_section({"name": "hf", "options": {"config": {
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "intermediate_size": 64}}})
+    model = build_model(section, {"task": "language_model", "vocab_size": 256, "seq_len": 16})
+    return model, family_of("hf").blocks(model)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
 @pytest.mark.parametrize("options", [{"activation_checkpointing": True}, {"mixed_precision": "bf16"}])
-def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options):
+def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options, kind):
+    """Activation checkpointing and bf16 apply to an HF model's layers as to the built-in GPT's."""
     from torch.distributed.tensor import DTensor
 
     from training.config import ParallelConfig
@@ -168,23 +186,24 @@ def test_fsdp_wrapping_trains_like_the_plain_model(process_group_of_one, options
 
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    plain = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
+    plain, _ = _model_and_blocks(kind)
     torch.manual_seed(1)
     expected_loss = _one_step(plain, plain, tokens)
     torch.manual_seed(0)
-    sharded = GPT(256, 16, GPTOptions(n_layer=2, n_head=2, d_model=32, dropout=0.1))
+    sharded, blocks = _model_and_blocks(kind)
     names = list(sharded.state_dict())
-    assert wrap(sharded, ParallelConfig(strategy="fsdp", **options), torch.device("cpu"),
-                blocks=GPT_FAMILY.blocks(sharded)) is sharded
+    assert len(blocks) == 2
+    assert wrap(sharded, ParallelConfig(strategy="fsdp", **options), torch.device("cpu"), blocks=blocks) is sharded
     assert list(sharded.state_dict()) == names  # checkpoints keep the model's own names
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
-    recomputed = [getattr(b.forward, "func", None) is torch.utils.checkpoint.checkpoint for b in sharded.blocks]
+    recomputed = [getattr(b.forward, "func", None) is torch.utils.checkpoint.checkpoint for b in blocks]
     assert recomputed == [bool(options.get("activation_checkpointing"))] * 2
+    assert all(p.dtype == torch.float32 for p in sharded.parameters())  # (bf16: computed in, kept in fp32)
     torch.manual_seed(1)  # the same dropout draws (recomputed ones replay the RNG state)
     loss = _one_step(sharded, sharded, tokens)
     after = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sharded.state_dict().items()}
     if options.get("mixed_precision") == "bf16":
-        assert abs(loss - expected_loss) < 0.05 * expected_loss
+        assert loss != expected_loss and abs(loss - expected_loss) < 0.05 * expected_loss
     else:
         assert loss == pytest.approx(expected_loss, rel=1e-6)
         for name, tensor in plain.state_dict().items():
