@@ -26,13 +26,10 @@ ARGS ?=
 # where it is missing and this is a root shell with apt-get; elsewhere the Spark test says what to do.
 # So is a one-node Slurm (munge and Slurm's daemons, without recommends: ~30 s) for the Slurm test,
 # and Azurite, the Azure Storage emulator (npm, ~38 s, into the venv: `make clean` removes it), for
-# the Azure Blob tests where Node is present; it installs meanwhile. Elsewhere those tests skip
+# the Azure Blob tests where Node is present; it installs while pip does. Elsewhere those tests skip
 # saying what to install.
 $(STAMP): pyproject.toml
-	@if command -v npm > /dev/null && [ ! -x $(VENV)/azurite/node_modules/.bin/azurite-blob ]; then \
-		npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@3.35.0 \
-			> /dev/null 2>&1 & fi; \
-	command -v java > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null \
+	@command -v java > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null \
 		&& { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless > /dev/null; } \
 		|| echo "note: no Java runtime; install one (Java 17+) for the Spark test"; }; \
 	[ -x /usr/sbin/slurmd ] || command -v slurmd > /dev/null \
@@ -40,12 +37,17 @@ $(STAMP): pyproject.toml
 		&& for try in 1 2; do DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			munge slurmctld slurmd slurm-client > /dev/null && break; apt-get update -qq; false; done; } \
 		|| echo "note: no Slurm; install munge and Slurm (slurmctld, slurmd, slurm-client) for the Slurm test"; \
-	wait; command -v npm > /dev/null || echo "note: no Node.js; install Node 18+ for the Azure Blob tests (Azurite)"
+	command -v npm > /dev/null || echo "note: no Node.js; install Node 18+ for the Azure Blob tests (Azurite)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile "$(TORCH)" 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q --no-compile -e ".[test]" 2>&1 | $(QUIET_PIP)
-	$(PY) -m compileall -q -j 0 -x '/(tests?|pip|setuptools)/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-		> /dev/null 2>&1 || true
+	@if command -v npm > /dev/null && [ ! -x $(VENV)/azurite/node_modules/.bin/azurite-blob ]; then \
+		npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@3.35.0 \
+			> /dev/null 2>&1 & fi; \
+	echo '$(PY) -m pip install ... (and compileall; Azurite meanwhile)'; \
+	$(PY) -m pip install -q --no-compile "$(TORCH)" 2>&1 | $(QUIET_PIP) \
+		&& $(PY) -m pip install -q --no-compile -e ".[test]" 2>&1 | $(QUIET_PIP) \
+		&& { $(PY) -m compileall -q -j 0 -x '/(tests?|pip|setuptools)/' \
+			"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true; }; \
+	status=$$?; wait; exit $$status
 	$(PY) -c "import torch, ray, mlflow, pyarrow; print('installed: torch', torch.__version__, 'ray', ray.__version__, 'mlflow', mlflow.__version__)"
 	touch $(STAMP)
 

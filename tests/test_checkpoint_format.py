@@ -163,6 +163,10 @@ def _in_gloo_group(rank: int, world_size: int, port: int, work, *args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         work(rank, world_size, *args)
+        # Both ranks done before either tears its connections down: a rank that exits while its peer
+        # still holds a gloo connection open to it can abort the peer ("terminate called without an
+        # active exception", seen on a loaded machine).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
