@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, on a machine with NVIDIA GPUs (never needed for the tests). Installs what it needs into
-# .venv-gpu (unless --python names a ready one), then runs three parts, each printed as it ends and
+# .venv-gpu (unless --python names a ready one), then runs four parts, each printed as it ends and
 # its run's summary copied to $OUT (default bench/out):
 #   tinylm   tinylm preset small (~19M parameters, 256-token context), FSDP2 + bf16 on every GPU:
 #            tokens/s, MFU (against the GPU's dense bf16 peak), peak memory per GPU
@@ -10,9 +10,14 @@
 #   vllm     a small HF Llama (llama_stdlib.yaml, a few steps) exported with
 #            `python -m training export RUN --format hf --out DIR`, loaded by vLLM and generated from
 #            (bench/gpu_check_parts.py; skipped, saying so, where vllm is not installed)
+#   qlora    QLoRA on 1 GPU: that small Llama's folder (the vllm part's, else trained and exported
+#            here) fine-tuned a few steps with sft_stdlib.yaml and model.adapter.kind: qlora (the base
+#            4-bit through bitsandbytes, installed into .venv-gpu if missing; with --python and none
+#            there, skipped, saying so), its loss printed, then exported: the adapter merged into the
+#            base read again in full precision, the merged folder loaded by transformers
 #
 # Usage: bench/gpu_check.sh [--only PART[,PART...]] [--python PY] [--deadline-s S] [--cpu]
-#   --only PARTS    a subset of tinylm,llama1b,vllm (default: all three, in that order)
+#   --only PARTS    a subset of tinylm,llama1b,vllm,qlora (default: all four, in that order)
 #   --python PY     a Python with CUDA torch and this project installed: nothing is installed
 #   --deadline-s S  the whole script's limit in seconds (default 720: 12 minutes, which with a
 #                   machine's start fits 15 minutes of GPU time); each part gets what is left, and
@@ -39,14 +44,14 @@ while [ $# -gt 0 ]; do
         *) bad "unknown argument '$1'" ;;
     esac
 done
-[ -n "$PARTS" ] || PARTS=$([ "$CPU" = 1 ] && echo vllm || echo tinylm,llama1b,vllm)
+[ -n "$PARTS" ] || PARTS=$([ "$CPU" = 1 ] && echo vllm || echo tinylm,llama1b,vllm,qlora)
 [[ "$DEADLINE_S" =~ ^[1-9][0-9]*$ ]] || bad "--deadline-s: '$DEADLINE_S' is not a whole number of seconds"
 IFS=',' read -r -a WANTED <<< "$PARTS"
-[ ${#WANTED[@]} -gt 0 ] || bad "--only: no parts given (parts: tinylm, llama1b, vllm)"
+[ ${#WANTED[@]} -gt 0 ] || bad "--only: no parts given (parts: tinylm, llama1b, vllm, qlora)"
 for part in "${WANTED[@]}"; do
     case "$part" in
-        tinylm|llama1b|vllm) ;;
-        *) bad "--only: unknown part '$part' (parts: tinylm, llama1b, vllm)" ;;
+        tinylm|llama1b|vllm|qlora) ;;
+        *) bad "--only: unknown part '$part' (parts: tinylm, llama1b, vllm, qlora)" ;;
     esac
     if [ "$CPU" = 1 ] && [ "$part" != vllm ]; then
         bad "--cpu runs only the vllm part (its training and export); '$part' needs a GPU"
@@ -115,8 +120,10 @@ part_llama1b() {
         "HF Llama ~0.97B (model.name hf), FSDP + bf16, seq_len 1024"
 }
 
-part_vllm() {
-    local run="gpu-vllm-llama" folder="$TRAINING_BASE_DIR/export-llama"
+SMALL_LLAMA="$TRAINING_BASE_DIR/export-llama"
+small_llama() {  # the small Llama trained a few steps and exported to $SMALL_LLAMA (once: vllm and qlora)
+    local run="gpu-vllm-llama" folder="$SMALL_LLAMA"
+    [ -f "$folder/config.json" ] && return
     local small=()
     if [ "$CPU" = 1 ]; then  # the smoke test: a smaller corpus and vocabulary, a few steps
         small=(--set data.options.max_bytes=300000 --set data.options.tokenizer.train.sample_bytes=300000
@@ -126,9 +133,40 @@ part_vllm() {
     train "$run" "$([ "$CPU" = 1 ] && echo 4 || echo 40)" llama_stdlib.yaml "${GPU_SETTINGS[@]}" \
         --set scaling.num_workers=1 --set failure.max_failures=0 "${small[@]}" || return
     "$PY" bench/gpu_check_parts.py summary "$TRAINING_BASE_DIR/runs/$run/summary.json" "small Llama to export" || return
-    timeout "$(left_s)" "$PY" -m training export "$run" --format hf --out "$folder" || return
-    cp "$folder/config.json" "$OUT_DIR/gpu_check_vllm_config.json"
-    timeout "$(left_s)" "$PY" bench/gpu_check_parts.py vllm "$folder"
+    timeout "$(left_s)" "$PY" -m training export "$run" --format hf --out "$folder"
+}
+
+part_vllm() {
+    small_llama || return
+    cp "$SMALL_LLAMA/config.json" "$OUT_DIR/gpu_check_vllm_config.json"
+    timeout "$(left_s)" "$PY" bench/gpu_check_parts.py vllm "$SMALL_LLAMA"
+}
+
+part_qlora() {
+    local run="gpu-qlora-sft" merged="$TRAINING_BASE_DIR/export-qlora"
+    if ! "$PY" -c "import bitsandbytes" 2> /dev/null; then
+        if [ "$PY" != .venv-gpu/bin/python ]; then
+            echo "skipped: qlora: $PY has no bitsandbytes (pip install bitsandbytes into it, or leave out --python)"
+            return 0
+        fi
+        timeout "$(left_s)" "$PY" -m pip install -q bitsandbytes || {
+            echo "skipped: qlora: bitsandbytes could not be installed into $PY"; return 0; }
+    fi
+    small_llama || return
+    local log="$TRAINING_BASE_DIR/qlora.log"
+    train "$run" 30 sft_stdlib.yaml "${GPU_SETTINGS[@]}" --set "model.options.pretrained=$SMALL_LLAMA" \
+        --set model.adapter.kind=qlora --set parallel.strategy=ddp --set scaling.num_workers=1 \
+        --set failure.max_failures=0 2>&1 | tee "$log"
+    local status=${PIPESTATUS[0]}
+    [ "$status" = 0 ] || return "$status"
+    # (the worker's line: the base was 4-bit, not read in full precision)
+    grep -m1 "model.adapter.kind qlora: .* base weights 4-bit" "$log" || {
+        echo "error: qlora: the run's log never says the base was loaded 4-bit" >&2; return 1; }
+    cp "$TRAINING_BASE_DIR/runs/$run/summary.json" "$OUT_DIR/gpu_check_qlora.json"
+    "$PY" bench/gpu_check_parts.py summary "$OUT_DIR/gpu_check_qlora.json" "QLoRA (4-bit nf4 base) on the small Llama" \
+        || return
+    timeout "$(left_s)" "$PY" -m training export "$run" --format hf --out "$merged" || return
+    timeout "$(left_s)" "$PY" bench/gpu_check_parts.py merged "$merged"
 }
 
 FAILED=()

@@ -3,7 +3,12 @@ tested in tests/test_bench.py):
 
     python bench/gpu_check_parts.py summary SUMMARY_JSON LABEL   a run's tokens/s, MFU and peak memory
     python bench/gpu_check_parts.py vllm HF_DIR [--max-tokens N]  vLLM loads an exported folder and generates
+    python bench/gpu_check_parts.py merged HF_DIR                 an adapter run's export: its adapter folder,
+                                                                  and its merged model loaded by transformers
+                                                                  on the CPU in full precision
 
+`merged` exits 2 for a folder that is not an HF model folder, 1 for one whose merged model is still
+quantized (a 4-bit base merged into), has no adapter folder, or gives logits that are not finite.
 `vllm` exits 0 with a line starting "skipped:" where vLLM is not installed or no CUDA device is
 present (the check is then not run, and says why); 2 for a folder that is not an HF model folder;
 1 if vLLM loaded the folder but generated nothing.
@@ -29,7 +34,10 @@ def summary_lines(summary: dict, label: str) -> list[str]:
             f"  MFU           {mfu:.1%}" if mfu is not None else
             "  MFU           n/a (GPU not in training/worker/parallel.py's peak table)",
             f"  peak memory   {peak / 2**30:.2f} GiB per GPU (torch.cuda.max_memory_allocated)" if peak else
-            "  peak memory   n/a"]
+            "  peak memory   n/a"] + (
+        [f"  loss          train {metrics['train_loss']:.4f}"
+         + (f", validation {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")]
+        if "train_loss" in metrics else [])
 
 
 def folder_problem(folder: Path) -> str | None:
@@ -39,6 +47,34 @@ def folder_problem(folder: Path) -> str | None:
                 "(python -m training export RUN --format hf --out DIR)")
     if not any(folder.glob("*.safetensors")):
         return f"{folder} has no *.safetensors weights"
+    return None
+
+
+def merged_problem(folder: Path) -> str | None:
+    """What is wrong with an adapter run's export in `folder` (None: nothing): the merged model must
+    be a plain full-precision one (an adapter trained on a 4-bit base is merged into the base read
+    again in full precision), beside its PEFT adapter folder, and give finite logits."""
+    if not (folder / "adapter" / "adapter_config.json").is_file():
+        return f"{folder} has no adapter/adapter_config.json: not an adapter run's export"
+    if "quantization_config" in json.loads((folder / "config.json").read_text()):
+        return f"{folder}/config.json has a quantization_config: the adapter was merged into a quantized base"
+    import torch  # (lazy: torch)
+    from transformers import AutoModelForCausalLM  # (lazy: transformers)
+    from transformers.utils import logging as hf_logging  # (lazy: transformers)
+
+    hf_logging.disable_progress_bar()  # (a bar of its weights' load on the check's output)
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map={"": "cpu"}).eval()
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    if not all(p.dtype.is_floating_point for p in model.parameters()):
+        return f"{folder}: the merged model has weights of {', '.join(dtypes)}, not floating point"
+    tokens = torch.arange(8).remainder(model.config.vocab_size).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    if not torch.isfinite(logits).all():
+        return f"{folder}: the merged model's logits are not finite"
+    print(f"merged model of {folder} loaded on the CPU ({', '.join(dtypes)}, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters), finite logits; adapter folder: "
+          f"{', '.join(sorted(p.name for p in (folder / 'adapter').iterdir()))}")
     return None
 
 
@@ -79,6 +115,8 @@ def main(argv=None) -> int:
     generate = steps.add_parser("vllm", help="load an exported HF folder with vLLM and generate")
     generate.add_argument("folder", type=Path)
     generate.add_argument("--max-tokens", type=int, default=24)
+    merged = steps.add_parser("merged", help="check an adapter run's exported folder: adapter and merged model")
+    merged.add_argument("folder", type=Path)
     args = p.parse_args(argv)
     if args.step == "summary":
         print("\n".join(summary_lines(json.loads(args.summary_json.read_text()), args.label)))
@@ -87,6 +125,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.step == "merged":
+        problem = merged_problem(args.folder)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1 if problem else 0
     reason = why_skipped()
     if reason:
         print(f"skipped: vLLM load-and-generate of {args.folder}: {reason}")

@@ -220,6 +220,10 @@ class JobConfig(Section):
         refusal = FAILURE_MODES[self.failure.mode].refuses(self)
         if refusal:
             raise ConfigError(refusal)
+        # (a model the job's other sections cannot train: a family's section may say why, hf's qlora under fsdp)
+        refusal = getattr(self.model, "refuses", lambda job: None)(self)
+        if refusal:
+            raise ConfigError(refusal)
         if self.eval.generate is not None:
             check_generates(self.model)
         bind_model = getattr(self.data, "bind_model", None)  # (a source that reads the model's files: its tokenizer)

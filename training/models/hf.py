@@ -101,6 +101,10 @@ class HFModel(ModelSection):
             dumped.pop("adapter", None)
         return dumped
 
+    def refuses(self, job) -> Optional[str]:
+        """Why the job's other sections cannot train this model (None: they can); the job's config asks."""
+        return hf_adapter.qlora_refusal(self.adapter, job.parallel.strategy, job.scaling.use_gpu)
+
     @model_validator(mode="after")
     def _adapter_fits(self) -> "HFModel":
         if self.adapter is not None:
@@ -117,7 +121,8 @@ class HFFamily(ModelFamily):
     def build(self, section: HFModel, spec: dict):
         from training.models import hf_nn  # (torch, transformers: see training/models/family.py)
 
-        model = hf_nn.build(section.options, spec, data_task(section.options.task, spec))
+        model = hf_nn.build(section.options, spec, data_task(section.options.task, spec),
+                            hf_adapter.load_kwargs(section.adapter))
         if section.adapter is not None:
             hf_adapter.apply(section.adapter, model, section.options)
             if torch_device(model) != "meta":  # (on the meta device: drawn once the model has memory)

@@ -17,6 +17,7 @@ its digest, recorded when the run starts, is checked when it resumes (`pinned`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import math
@@ -89,8 +90,12 @@ def apply(adapter: AdapterSection, model: nn.Module, options: HFOptions) -> None
     place and freeze the rest; UserError naming the option for what the model does not have."""
     from peft import LoraConfig, inject_adapter_in_model  # (lazy: peft imports transformers)
 
-    if adapter.kind == "qlora":
+    if adapter.kind == "qlora" and is_meta(model):  # (the driver's check: what the workers will need)
         check_qlora()
+    if is_quantized(model):
+        prepare_quantized(model)
+        if torch_rank() == 0:
+            print(quantized_line(model), flush=True)  # (the run's log says the base is 4-bit, once)
     available = linear_names(model)
     targets = list(adapter.target_modules or available)
     missing = [name for name in targets if name not in available]
@@ -110,16 +115,118 @@ def apply(adapter: AdapterSection, model: nn.Module, options: HFOptions) -> None
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
 
 
+# --- qlora: the base in 4 bits ----------------------------------------------------------------------
+
+# The 4-bit base as QLoRA's paper and peft's guide load it: NormalFloat4 weights, their scales
+# quantized too ("double quant", ~0.4 bit per weight less), matrix multiplies in bf16.
+QUANTIZATION = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": "bfloat16"}
+
+
 def check_qlora() -> None:
+    """UserError naming model.adapter.kind and all that this machine lacks for qlora."""
     import torch  # (lazy: torch)
 
-    if not torch.cuda.is_available():
-        raise UserError("model.adapter.kind: qlora keeps the base in 4 bits with bitsandbytes, which needs a CUDA GPU; "
-                        "this machine has none: use kind: lora")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError("model.adapter.kind: qlora needs the bitsandbytes package, which is not installed; "
-                        "use kind: lora, or install bitsandbytes")
-    raise UserError("model.adapter.kind: qlora is not supported by this version yet; use kind: lora")
+    problem = qlora_problem(torch.cuda.is_available(), importlib.util.find_spec("bitsandbytes") is not None)
+    if problem:
+        raise UserError(problem)
+
+
+def qlora_problem(cuda: bool, bitsandbytes: bool) -> Optional[str]:
+    """What a machine with (or without) CUDA and bitsandbytes lacks for qlora, as the error says it."""
+    needs = ["a CUDA GPU"] * (not cuda) + ["the bitsandbytes package"] * (not bitsandbytes)
+    if not needs:
+        return None
+    install = "pip install bitsandbytes, or " if not bitsandbytes else ""
+    return (f"model.adapter.kind: qlora keeps the base in 4 bits with bitsandbytes, which needs "
+            f"{' and '.join(needs)}; this machine lacks {'both' if len(needs) > 1 else 'it'}: {install}use kind: lora")
+
+
+def qlora_refusal(adapter: Optional[AdapterSection], strategy: str, use_gpu: bool | str) -> Optional[str]:
+    """Why the job's other settings cannot train `adapter` (None: they can). The 4-bit base is
+    loaded whole onto each worker's GPU (DDP): sharding it with FSDP2 would need its packed weights
+    stored in a float dtype and each shard's quantization state kept with it, which is not done here."""
+    if adapter is None or adapter.kind != "qlora":
+        return None
+    if strategy == "fsdp":
+        return ("model.adapter.kind: qlora (a 4-bit base) trains with parallel.strategy: ddp, not fsdp; use "
+                "parallel.strategy: ddp, or model.adapter.kind: lora to shard the base with fsdp")
+    if use_gpu is False:
+        return ("model.adapter.kind: qlora loads the 4-bit base onto each worker's GPU, and scaling.use_gpu is "
+                "false; set scaling.use_gpu: true (or auto), or use model.adapter.kind: lora")
+    return None
+
+
+def load_kwargs(adapter: Optional[AdapterSection]) -> dict:
+    """from_pretrained's extra arguments for `adapter`'s base: for qlora in a training worker (a
+    process of Ray Train's process group), the 4-bit quantization onto the worker's GPU (its current
+    device, which Ray Train sets); {} otherwise. A lone process (the driver's final model at a run's
+    end, `python -m training export`) reads a qlora base unquantized (model.options.dtype), on the
+    CPU: the adapter is merged there, never into 4-bit weights, and no GPU is needed. UserError in a worker without
+    CUDA or bitsandbytes (scaling.use_gpu auto on a cluster without GPUs)."""
+    import torch  # (lazy: torch)
+
+    if adapter is None or adapter.kind != "qlora" or torch.get_default_device().type == "meta":
+        return {}  # (on the meta device, the driver's check: apply() asks what the workers will need)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    check_qlora()
+    return quantized_load(torch.cuda.current_device())
+
+
+def quantized_load(device: int) -> dict:
+    """from_pretrained's arguments for a 4-bit base (QUANTIZATION) whole on the GPU `device`."""
+    from transformers import BitsAndBytesConfig  # (lazy: transformers; bitsandbytes only when it loads)
+
+    return {"quantization_config": BitsAndBytesConfig(**QUANTIZATION), "device_map": {"": device}}
+
+
+def is_meta(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "meta"
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False))
+
+
+def prepare_quantized(model: nn.Module) -> None:
+    """peft's preparation of a k-bit base, before the adapter goes in: every base weight frozen, the
+    norms and embeddings (left in 16 bits by the load) in fp32 for a stable backward. No gradient
+    checkpointing here: parallel.activation_checkpointing decides that, as for any model."""
+    from peft import prepare_model_for_kbit_training  # (lazy: peft)
+
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model.register_state_dict_post_hook(drop_quant_states)
+
+
+def torch_rank() -> int:
+    import torch  # (lazy: torch)
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def quantized_line(model: nn.Module) -> str:
+    packed = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    device = packed[0].device if packed else "?"
+    return (f"model.adapter.kind qlora: {len(packed)} base weights 4-bit ({QUANTIZATION['bnb_4bit_quant_type']}, "
+            f"{sum(p.numel() for p in packed) * 2:,} values in {sum(p.numel() for p in packed):,} bytes) on {device}")
+
+
+def drop_quant_states(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
+    """A state-dict hook of a 4-bit model: bitsandbytes adds each 4-bit weight's quantization state
+    (`<weight>.absmax`, `.quant_map`, `.nested_*`, `.quant_state.*`) beside it, entries that are no
+    parameter; left in, a checkpoint of the adapter alone would carry the base's scales, which no
+    model built from the folder (a resume's, an export's in full precision) takes back. The base,
+    frozen, is read again from its folder."""
+    quantized = [prefix + name for name, param in model.named_parameters() if type(param).__name__ == "Params4bit"]
+    for key in quant_state_keys(state, quantized):
+        del state[key]
+
+
+def quant_state_keys(keys, weights: list[str]) -> list[str]:
+    """The keys that lie under one of the `weights` (their quantization state), not the weights."""
+    under = tuple(name + "." for name in weights)
+    return [key for key in keys if under and key.startswith(under)]
 
 
 def has_adapter(model: nn.Module) -> bool:
@@ -208,7 +315,10 @@ def save_folder(model: nn.Module, directory: Path) -> list[str]:
 def merge(model: nn.Module) -> nn.Module:
     """The adapter added into the base weights, in place, and taken out: `model` is a plain
     transformers model again (its base weights the same Parameters), for save_pretrained and
-    MLflow's transformers flavor. Merging again is a no-op."""
+    MLflow's transformers flavor. Merging again is a no-op. A 4-bit base is not merged into (the
+    sum would be rounded to 4 bits): the merged model is a full-precision copy (merged_copy)."""
+    if is_quantized(model):
+        return merged_copy(model)
     for name, layer in lora_layers(model):
         layer.merge(safe_merge=True)
         parent, _, child = name.rpartition(".")
@@ -217,3 +327,24 @@ def merge(model: nn.Module) -> nn.Module:
         del model.peft_config
     model._hf_peft_config_loaded = False  # (else save_pretrained writes an adapter folder)
     return model
+
+
+def merged_copy(model: nn.Module) -> nn.Module:
+    """The adapted `model` merged into its base read again, on the CPU, unquantized (fp32 or bf16,
+    as it was loaded), from the folder it was loaded from: the merge of a model whose base is 4-bit
+    (a run's final model is built unquantized, load_kwargs, and takes merge's own path). `model` is
+    left as it is."""
+    import torch  # (lazy: torch)
+    from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict  # (lazy: peft)
+    from transformers import AutoModelForCausalLM  # (lazy: transformers)
+
+    dtype = getattr(model.config, "dtype", None)
+    dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # (hf's options.dtype)
+    base = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=dtype, device_map={"": "cpu"})
+    inject_adapter_in_model(copy.deepcopy(model.peft_config[ADAPTER_NAME]), base, adapter_name=ADAPTER_NAME)
+    # (the adapter's weights and the biases it trained, bias: all or lora_only; the base's own are the folder's)
+    trained = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    loaded = set_peft_model_state_dict(base, {n: t.detach().to("cpu", dtype) for n, t in trained.items()},
+                                       adapter_name=ADAPTER_NAME)
+    assert not loaded.unexpected_keys, f"the adapter's weights have no place in the base: {loaded.unexpected_keys[:3]}"
+    return merge(base.eval())

@@ -255,10 +255,11 @@ def check_attention(options: HFOptions) -> None:
                         "not installed here; use sdpa")
 
 
-def build(options: HFOptions, spec: dict, data_task: str) -> nn.Module:
+def build(options: HFOptions, spec: dict, data_task: str, load_kwargs: Optional[dict] = None) -> nn.Module:
     """The model for the data `spec` describes (`data_task`: the data's task that options.task
     learns). On the meta device (the driver's check, FSDP's sharded load) a pretrained model is built
-    from its config and checked against its files; on a device, loaded from them."""
+    from its config and checked against its files; on a device, loaded from them, with `load_kwargs`
+    for from_pretrained besides (a qlora base's quantization: training/models/hf_adapter.py)."""
     import transformers  # (lazy: transformers, seconds to import)
 
     if spec.get("task", data_task) != data_task:
@@ -287,7 +288,7 @@ def build(options: HFOptions, spec: dict, data_task: str) -> nn.Module:
         weight_files(folder, options.pretrained)
         transformers.utils.logging.disable_progress_bar()  # (a bar per load in every worker's log)
         model = auto.from_pretrained(folder, config=config, ignore_mismatched_sizes=options.task != "causal_lm",
-                                     **kwargs)
+                                     **kwargs, **(load_kwargs or {}))
     model.seq_len = spec.get("seq_len")  # (FLOPs per token: the attention term)
     # The forward as the task calls it, set on the instance (as activation checkpointing does): no
     # wrapper module, so parameter and state-dict names stay the transformers model's own.
