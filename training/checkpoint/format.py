@@ -237,6 +237,23 @@ def load_model_state(directory: str | Path, model: torch.nn.Module, frozen: bool
     return state["model"]
 
 
+def sharded_model_tensors(directory: str | Path) -> dict:
+    """A sharded checkpoint's model tensors by their names in the model -> DCP's TensorStorageMetadata
+    (`size`, `properties.dtype`), read from its manifest alone."""
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
+
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key[len("model."):]: item for key, item in stored.items() if key.startswith("model.")}
+
+
+def load_model_tensors(directory: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Read the named model tensors of a sharded checkpoint into `tensors` (of the stored sizes) in
+    place, in one process, each from whichever shards hold its slices; nothing else is read."""
+    import torch.distributed.checkpoint as dcp  # (lazy: torch.distributed.checkpoint)
+
+    dcp.load({"model": tensors}, checkpoint_id=Path(directory), no_dist=True)
+
+
 def _check_version(directory, state: dict) -> None:
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {directory} has format {state.get('format_version')}; "

@@ -4,7 +4,8 @@ vLLM and TGI load as it is:
 
     config.json                    the architecture (the `hf` family's own; the built-in gpt as GPT-2,
                                    to which it maps exactly: training/models/gpt_nn.py to_gpt2)
-    model.safetensors              the weights; above MAX_SHARD_SIZE, model-0000i-of-0000n.safetensors
+    model.safetensors              the weights; above MAX_SHARD_SIZE (a sharded checkpoint written file
+                                   by file: STREAMED_MAX_SHARD_SIZE), model-0000i-of-0000n.safetensors
                                    and model.safetensors.index.json
     generation_config.json         the end-of-sequence (and pad) token generation stops at
     tokenizer.json, tokenizer_config.json
@@ -16,9 +17,10 @@ vLLM and TGI load as it is:
                                    AutoImageProcessor loads
 
 A family offers this with `hf_model(model)`: the `transformers.PreTrainedModel` of its trained network
-(the hf family's own model, the gpt family's converted). A sharded (fsdp) checkpoint is consolidated
-in this one process on the way in (checkpoint/format.py load_model_state): the whole model in host
-memory once.
+(the hf family's own model, the gpt family's converted). A sharded (fsdp) checkpoint of a
+`transformers` model (the hf family, without an adapter), when no loaded model is given, is written
+file by file, never whole (hf_export_sharded.py); any other is loaded in this one process
+(checkpoint/format.py load_model_state): the whole model in host memory once.
 """
 
 from __future__ import annotations
@@ -183,15 +185,20 @@ def copy_folder(local: str | Path, out_uri: str) -> None:
 
 
 def write_hf_folder(job, manifest, checkpoint, out_uri: str, model=None,
-                    max_shard_size: str | int = MAX_SHARD_SIZE) -> list[str]:
+                    max_shard_size: str | int | None = None) -> list[str]:
     """The job's model in `checkpoint` (a ray.train.Checkpoint; or the loaded `model`) as an HF folder
     at `out_uri` (local or s3://), replacing what is there; returns the files written. UserError if
-    the model's family has no HF form."""
+    the model's family has no HF form. Without `model`, a sharded checkpoint of a `transformers`
+    model is written file by file, never loaded whole (hf_export_sharded.py; its files up to
+    STREAMED_MAX_SHARD_SIZE unless `max_shard_size` is given)."""
     check_exports_hf(job.model)
+    streamed = None
     if model is None:
+        from training.run import hf_export_sharded  # (lazy: torch)
         from training.run.final_model import load_final_model  # (lazy: torch)
 
-        model = load_final_model(job.model, manifest, checkpoint)
+        streamed = hf_export_sharded.streamable_model(job.model, manifest, checkpoint)
+        model = streamed if streamed is not None else load_final_model(job.model, manifest, checkpoint)
     adapter = adapter_files(job.model, model)  # (before hf_model merges the adapter into the model)
     hf = hf_model(job.model, model)
     tokenizer = hf_tokenizer(job.model, job.data.options, manifest)
@@ -203,7 +210,10 @@ def write_hf_folder(job, manifest, checkpoint, out_uri: str, model=None,
         hf.config.id2label = dict(enumerate(names))
         hf.config.label2id = {name: index for index, name in enumerate(names)}
     with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
-        files = save_local(hf, tokenizer, tmp, max_shard_size) if writes_merged(job.model) else []
+        if streamed is not None:
+            files = hf_export_sharded.save_local(hf, tokenizer, checkpoint, tmp, max_shard_size)
+        else:
+            files = save_local(hf, tokenizer, tmp, max_shard_size or MAX_SHARD_SIZE) if writes_merged(job.model) else []
         files += save_adapter(adapter, Path(tmp) / ADAPTER_DIR)
         copy_folder(tmp, out_uri)
     return files
