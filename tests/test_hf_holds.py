@@ -4,8 +4,11 @@ world size (2 real gloo processes, no Ray); an HF Llama read from a pretrained f
 (moto_server) under FSDP, its worker SIGKILLed and then its driver, resumed by the same command to
 weights bit-identical to an unkilled run's, the folder downloaded once for the node; under
 `failure.mode: continue` a killed worker replaced while the survivor trains; and an ASHA sweep over
-optim.lr whose best trial is registered with MLflow's transformers flavor."""
+the LoRA rank and the learning rate of a fine-tune of a pretrained Llama folder, which stops trials
+and registers its best trial's merged model with MLflow's transformers flavor (and, run on one of
+its stopped trials, the path that registers a stopped best)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -243,38 +246,113 @@ def test_continue_mode_replaces_a_killed_worker_of_an_hf_llama_while_the_survivo
     assert summary.metrics["val_loss"] == summary.metrics["val_loss"]
 
 
+def save_pretrained_llama(folder: Path) -> Path:
+    """A tiny random Llama as a pretrained folder (vocab 300: the sweep's trained BPE)."""
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def merged_llama(model_uri: str):
+    """The registered model as MLflow's transformers flavor loads it: a plain LlamaForCausalLM, the
+    adapter merged into its weights and gone."""
+    import mlflow.transformers
+
+    model = mlflow.transformers.load_model(model_uri, return_type="components")["model"]
+    assert type(model) is transformers.LlamaForCausalLM and not hasattr(model, "peft_config")
+    assert not [key for key in model.state_dict() if "lora" in key]
+    return model.float().eval()
+
+
+def llama_logits(model, tokens):
+    with torch.no_grad():
+        output = model.eval()(tokens)
+    return getattr(output, "logits", output)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_an_asha_sweep_over_the_lr_of_an_hf_llama_registers_the_best_with_the_transformers_flavor(ray_cluster,
-                                                                                                   workdir):
+def test_asha_over_the_lora_rank_and_lr_of_a_pretrained_llama_stops_trials_and_registers_the_best_merged(
+        ray_cluster, workdir):
+    """One sweep for both promises: ASHA over model.adapter.r and optim.lr of a LoRA fine-tune stops
+    the poor trials at its rung; the best trial's merged model is registered with the transformers
+    flavor and gives its adapter's logits. The path a stopped best takes (no logged model: rebuilt
+    from the pretrained folder and its adapter checkpoint, merged, logged, registered) is then run on
+    a real stopped trial of the same sweep."""
     import mlflow
+    import ray.train
     from mlflow.tracking import MlflowClient
+    from peft import PeftModel
 
+    from training.run.final_model import load_final_model
+    from training.run.hf_export import run_job
+    from training.tracking.tracker import MlflowTracker, fluent_mlflow
     from tuning import config as sweep_config
+    from tuning.report import register_trial
     from tuning.sweep import run_sweep
+    from tuning.trial import TRIAL_TAG
 
+    base = save_pretrained_llama(workdir / "base")
     sets = ["data.options={path: stdlib, max_bytes: 100000, seq_len: 32, validation_fraction: 0.05, "
-            "tokenizer: {train: {vocab_size: 300, sample_bytes: 100000}}}", INLINE,
-            "train.max_steps=20", "train.eval_every_n_steps=10", "checkpoint.every_n_steps=10",
+            "tokenizer: {train: {vocab_size: 300, sample_bytes: 100000}}}", f"model.options={{pretrained: {base}}}",
+            "model.adapter={r: 8, alpha: 8}", "optim.warmup_steps=0", "train.max_steps=20",
+            "train.eval_every_n_steps=10", "checkpoint.every_n_steps=10", "checkpoint.keep=2",
             "train.log_every_n_steps=10", "train.min_report_interval_s=0", "train.global_batch_size=16",
             "tracking.experiment=hf-sweeps", "failure.max_failures=1"]
     lines = "\n".join(f"  - {s!r}" for s in sets)
     path = workdir / "sweep.yaml"
+    # Tune's grid order (by path: the rank varies fastest), two at a time: (8, 0.03) with (4, 0.03), the
+    # later of them to the rung stopped if it is worse; then (8, 1e-6) and (4, 1e-6), which learn
+    # nothing and meet a rung whose median is a learning trial's: both stopped.
     path.write_text(f"base: {LLAMA}\nset:\n{lines}\ntrial:\n  driver_cpus: 0.25\n"
                     "  scaling: {num_workers: 1, cpus_per_worker: 0.5}\n"
-                    "space:\n  optim.lr: {grid: [0.01, 0.000001, 0.000001]}\nmetric: val_loss\nmode: min\n"
+                    "space:\n  optim.lr: {grid: [0.03, 0.000001]}\n  model.adapter.r: {grid: [8, 4]}\n"
+                    "metric: val_loss\nmode: min\n"
                     "scheduler: {name: asha, grace_period_steps: 10, reduction_factor: 2}\nnum_samples: 1\n"
                     "max_concurrent_trials: 2\n")
-    summary = run_sweep(sweep_config.load(path, name="hf-asha"))
+    sweep = sweep_config.load(path, name="lora-asha")
+    summary = run_sweep(sweep)
 
-    stopped = [r for r in summary.rows if r.status == "stopped"]
-    assert len(summary.rows) == 3 and not [r for r in summary.rows if r.status == "failed"]
-    assert stopped and all(r.steps < 20 and r.params["optim.lr"] == 0.000001 for r in stopped), summary.rows
-    assert summary.best.params["optim.lr"] == 0.01 and summary.best.status == "finished" and summary.best.steps == 20
+    rows = summary.rows
+    assert sorted((r.params["optim.lr"], r.params["model.adapter.r"]) for r in rows) == [
+        (0.000001, 4), (0.000001, 8), (0.03, 4), (0.03, 8)] and not [r for r in rows if r.status == "failed"]
+    idle = [r for r in rows if r.params["optim.lr"] == 0.000001]
+    assert all(r.status == "stopped" and r.steps == 10 for r in idle), rows
+    best = summary.best
+    assert best.status == "finished" and best.steps == 20 and best.params["optim.lr"] == 0.03
+
+    # the best trial's merged model, registered with the transformers flavor: its adapter's logits
     client = MlflowClient(summary.tracking_uri)
     (version,) = client.search_model_versions("name = 'text-hf'")
-    assert version.run_id == summary.best.mlflow_run_id and str(summary.registered["version"]) == str(version.version)
-    mlflow.set_tracking_uri(summary.tracking_uri)
-    info = mlflow.models.get_model_info(f"models:/text-hf/{version.version}")
-    flavor = info.flavors["transformers"]  # (a pipeline of the trained HF model, not a torch.export graph)
+    assert version.run_id == best.mlflow_run_id and summary.registered == {"name": "text-hf", "version": "1"}
+    with fluent_mlflow(summary.tracking_uri):
+        flavor = mlflow.models.get_model_info("models:/text-hf/1").flavors["transformers"]
+        merged = merged_llama("models:/text-hf/1")
     assert flavor["task"] == "text-generation" and flavor["pipeline_model_type"] == "LlamaForCausalLM"
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    adapter = workdir / "runs" / best.run / "hf" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == best.params["model.adapter.r"]
+    unmerged = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), str(adapter))
+    expected = llama_logits(unmerged, tokens)
+    assert not torch.equal(expected, llama_logits(transformers.AutoModelForCausalLM.from_pretrained(base), tokens))
+    assert (llama_logits(merged, tokens) - expected).abs().max().item() < 1e-5
+
+    # a stopped trial as the best: its model rebuilt from the base and its adapter checkpoint, merged,
+    # registered; its run keeps the end time of its last evaluation
+    loser = idle[-1]
+    job, manifest = run_job(str(workdir / "runs" / loser.run))
+    trained = load_final_model(job.model, manifest, ray.train.Checkpoint(loser.checkpoint_path))
+    assert trained.peft_config["default"].r == loser.params["model.adapter.r"]
+    expected = llama_logits(trained, tokens)
+    ended_ms = client.get_run(loser.mlflow_run_id).info.end_time
+    registered = register_trial(sweep, job, manifest, loser, MlflowTracker(summary.tracking_uri,
+                                                                           summary.parent_run_id))
+    assert registered == {"name": "text-hf", "version": "2"}
+    assert client.get_model_version("text-hf", "2").tags[TRIAL_TAG] == loser.trial_id
+    with fluent_mlflow(summary.tracking_uri):
+        merged = merged_llama("models:/text-hf/2")
+    assert (llama_logits(merged, tokens) - expected).abs().max().item() < 1e-5
+    run = client.get_run(loser.mlflow_run_id).info
+    assert run.status == "FINISHED" and run.end_time == ended_ms

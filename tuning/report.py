@@ -179,7 +179,7 @@ def finish(sweep: Sweep, paths, manifest, grid, parent, state: Record, summary, 
             if best.mlflow_run_id:
                 client.set_tag(parent.run_id, "best_run_id", best.mlflow_run_id)
             if sweep.base.tracking.register_model and best.mlflow_run_id:
-                summary.registered = state.registered or _register(sweep, job, manifest, best, parent)
+                summary.registered = state.registered or register_trial(sweep, job, manifest, best, parent)
                 state.registered = summary.registered
             log(f"sweep {sweep.name}: best trial {best.trial_id} ({sweep.config.metric} {_fmt(best.last)}) "
                 f"{params_text(best.params)}")
@@ -220,7 +220,7 @@ def log_missing_results(client, run_id: str, reports: list) -> int:
     return len(missing)
 
 
-def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[dict]:
+def register_trial(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[dict]:
     """Register the best trial's logged model; a trial stopped before the end has none: log it from
     its last checkpoint first."""
     client = parent.client
@@ -237,8 +237,11 @@ def _register(sweep: Sweep, job, manifest, best: TrialRow, parent) -> Optional[d
     elif best.checkpoint_path:
         fs, path = storage.filesystem(best.checkpoint_path)
         model = load_final_model(job.model, manifest, ray.train.Checkpoint(path, filesystem=fs))
+        ended_ms = client.get_run(best.mlflow_run_id).info.end_time
         version = log_model(registering, manifest, model, MlflowTracker(parent.tracking_uri, best.mlflow_run_id))[
             "registered_version"]
+        # (logging reopens the run and ends it now: it ended at its last evaluation, _end_stopped)
+        client.set_terminated(best.mlflow_run_id, status="FINISHED", end_time=ended_ms)
     else:
         return None
     if version is None:  # tracking.register_when improved, and the best trial does not beat @best
