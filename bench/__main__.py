@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import rows
 from bench.common import REPO, machine
 from bench.continuous import continuous
+from bench.finetune import lora_vs_full, packing
 from bench.hf_load import hf_load
 from bench.hf_throughput import hf_throughput
 from bench.report import markdown, update_readme
@@ -24,7 +25,7 @@ from training.run.session import ray_session
 
 ROWS = ("cold_start", "overhead", "checkpoint", "data_path", "streaming", "driver_memory", "tokenize_memory",
         "hf_load", "hf_throughput", "tokenizing", "recovery",
-        "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics")
+        "recovery_continue", "continuous", "sweep", "memory", "gpu", "system_metrics", "lora_vs_full", "packing")
 
 
 def main(argv=None) -> int:
@@ -44,8 +45,11 @@ def main(argv=None) -> int:
     # failure.mode continue, whose kill and replacement test_chaos_continue.py runs; and for the
     # sweep row: two Tune sweeps (a minute here) whose ASHA path tests/test_tuning_ray.py runs, its
     # sweep files and arithmetic checked without Ray (tests/test_bench_math.py).
+    # And for the fine-tuning rows: six service runs of a pretrained Llama each (minutes here), whose
+    # paths tests/test_hf_lora.py and tests/test_hf_sft.py run and whose arithmetic
+    # tests/test_bench_finetune.py checks.
     if args.quick and args.rows == ",".join(ROWS):
-        for row in ("continuous", "recovery_continue", "sweep"):
+        for row in ("continuous", "recovery_continue", "sweep", "lora_vs_full", "packing"):
             wanted.remove(row)
     results: dict = {"machine": machine(), "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": {},
                      "row_seconds": {}}
@@ -91,6 +95,10 @@ def main(argv=None) -> int:
                 timed("system_metrics", lambda: system_metrics(args.quick))
             if "hf_throughput" in wanted:  # an HF Llama: the service vs plain torchrun DDP
                 timed("hf_throughput", lambda: hf_throughput(args.quick))
+            if "lora_vs_full" in wanted:  # LoRA vs full fine-tuning of a pretrained Llama, DDP 2 workers
+                timed("lora_vs_full", lambda: lora_vs_full(args.quick))
+            if "packing" in wanted:  # packed vs one-a-row chat rows: useful tokens/s
+                timed("packing", lambda: packing(args.quick))
             if "tokenizing" in wanted:
                 timed("tokenizing", lambda: tokenizing(args.quick))
             if "gpu" in wanted:
@@ -167,6 +175,13 @@ def ratios(rows_: dict) -> dict:
         found["hf_sharded_load_vs_raw_safetensors_read"] = rows_["hf_load"]["sharded_load_vs_raw_read"]
     if "hf_throughput" in rows_:
         found["hf_llama_service_vs_torchrun_ddp_tokens_per_s"] = rows_["hf_throughput"]["ratio"]
+    if "lora_vs_full" in rows_:
+        v = rows_["lora_vs_full"]
+        found["lora_vs_full_checkpoint_bytes"] = v["checkpoint_bytes_ratio"]
+        found["lora_vs_full_optimizer_state_bytes"] = v["optimizer_state_bytes_ratio"]
+        found["lora_vs_full_tokens_per_s"] = v["tokens_per_s_ratio"]
+    if "packing" in rows_:
+        found["packed_vs_padded_useful_tokens_per_s"] = rows_["packing"]["ratio"]
     if "memory" in rows_:
         found["memory_fsdp_vs_ddp_per_worker"] = rows_["memory"]["fsdp_vs_ddp_ratio"]
     if rows_.get("recovery", {}).get("efficiency") is not None:

@@ -69,6 +69,24 @@ def _overhead_line(key: str, v: dict) -> str:
             f"bench/baseline_raytrain.py) vs {v['baseline']}, same model, data, batch, workers, threads |")
 
 
+def _llama(v: dict) -> str:
+    m = v["model"]
+    return (f"a pretrained Llama (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab {m['vocab']}), "
+            f"{v['workers']} workers DDP, {v['threads_per_worker']} thread each, global batch {v['global_batch']}, "
+            f"seq_len {v['seq_len']}, the first {v['warmup_steps']} of {v['steps']} steps excluded")
+
+
+def _lora_line(v: dict) -> str:
+    b, o, n = v["checkpoint_bytes"], v["optimizer_state_bytes"], v["trained_parameters"]
+    return (f"| LoRA vs full fine-tuning | checkpoint {b['lora'] / 2**20:.2f} vs {b['full'] / 2**20:.1f} MB, "
+            f"optimizer state {o['lora'] / 2**20:.2f} vs {o['full'] / 2**20:.1f} MB; {v['lora_tokens_per_s']:.0f} vs "
+            f"{v['full_tokens_per_s']:.0f} tokens/s | checkpoint **{v['checkpoint_bytes_ratio']:.3f}**, optimizer "
+            f"state **{v['optimizer_state_bytes_ratio']:.3f}**, tokens/s **{v['tokens_per_s_ratio']:.2f}** "
+            f"({spread(v['pairs'])}; {v['rounds']} interleaved pair(s)) | {_llama(v)}; LoRA `{v['adapter']}` on the "
+            f"attention and MLP projections ({n['lora'] / 1e3:.0f}K trained parameters vs {n['full'] / 1e6:.2f}M) "
+            "vs every weight trained, AdamW, the same packed stdlib chat rows; the final checkpoint's bytes |")
+
+
 def markdown(results: dict) -> str:
     m, r = results["machine"], results["rows"]
     lines = [f"Run of {results['date']}{' (quick mode: harness check, not numbers)' if results['quick'] else ''} on "
@@ -173,6 +191,18 @@ def markdown(results: dict) -> str:
                      f"{v['global_batch']}; steady state: the first {v['warmup_steps']} of {v['steps']} steps excluded "
                      "on both sides; vs the same model, data, batch and optimizer in a plain torchrun loop "
                      "(bench/hf_baseline_ddp.py) |")
+    if "lora_vs_full" in r:
+        v = r["lora_vs_full"]
+        lines.append(_lora_line(v))
+    if "packing" in r:
+        v = r["packing"]
+        lines.append(f"| packed chat rows | useful tokens/s packed {v['packed_useful_tokens_per_s']:.0f} vs one a row "
+                     f"{v['padded_useful_tokens_per_s']:.0f} | **{v['ratio']:.2f}** (target >= 1.5; "
+                     f"{spread(v['pairs'])}; {v['rounds']} interleaved pair(s)) | the stdlib chat set "
+                     f"({v['conversations']} conversations, mean {v['mean_length']:.0f} tokens = "
+                     f"{v['mean_length_vs_seq_len']:.2f} of seq_len {v['seq_len']}), LoRA on {_llama(v)}: rows/s times "
+                     f"the rows' real tokens ({v['real_tokens_per_row']['packed']:.0f} vs "
+                     f"{v['real_tokens_per_row']['padded']:.0f} per row), `chat.packing` true vs false |")
     if "memory" in r:
         v = r["memory"]
         lines.append(f"| memory per worker | FSDP {v['fsdp_bytes_per_worker'] / 2**20:.1f} MB vs DDP "

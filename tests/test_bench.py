@@ -20,6 +20,10 @@ ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,hf_load,co
                       "tokenizing,gpu,system_metrics,hf_throughput",
             "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
 LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
+# The fine-tuning rows (bench/finetune.py): six service runs of a pretrained Llama each, whose LoRA
+# and packed chat paths tests/test_hf_lora.py and tests/test_hf_sft.py run; their arithmetic:
+# tests/test_bench_finetune.py. Quick mode leaves them out unless asked for.
+LEFT_TO_THE_FINE_TUNING_TESTS = ["lora_vs_full", "packing"]
 
 
 def quick_bench(tmp_path, rows):
@@ -32,7 +36,8 @@ def quick_bench(tmp_path, rows):
 def test_the_row_sets_cover_every_row():
     from bench.__main__ import ROWS
 
-    listed = [row for rows in ROW_SETS.values() for row in rows.split(",")] + LEFT_TO_ITS_OWN_TEST
+    listed = [row for rows in ROW_SETS.values() for row in rows.split(",")] + LEFT_TO_ITS_OWN_TEST \
+        + LEFT_TO_THE_FINE_TUNING_TESTS
     assert sorted(listed) == sorted(ROWS)
 
 
