@@ -17,9 +17,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # tests/test_tuning_ray.py runs (its files and arithmetic: tests/test_bench_math.py). Quick mode
 # leaves those out unless asked for (bench/__main__.py).
 ROW_SETS = {"single": "memory,streaming,driver_memory,tokenize_memory,hf_load,cold_start,overhead,data_path,"
-                      "tokenizing,gpu,system_metrics,hf_throughput",
+                      "tokenizing,gpu,system_metrics",
             "faults": "recovery,checkpoint"}  # (checkpoint: here for the two lanes' balance)
-LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep"]
+LEFT_TO_ITS_OWN_TEST = ["continuous", "recovery_continue", "sweep",
+                        # an HF Llama through the service (tests/test_hf_run.py runs that path) vs a
+                        # torchrun loop: 37 s of CI's time in quick mode, left out of it
+                        "hf_throughput"]
 # The fine-tuning rows (bench/finetune.py): six service runs of a pretrained Llama each, whose LoRA
 # and packed chat paths tests/test_hf_lora.py and tests/test_hf_sft.py run; their arithmetic:
 # tests/test_bench_finetune.py. Quick mode leaves them out unless asked for.
@@ -58,10 +61,6 @@ def test_quick_bench_runs_the_single_run_rows(tmp_path):
     assert rows["tokenize_memory"]["large_vs_small_peak_rss"] > 0
     assert rows["hf_load"]["sharded_rss_growth_vs_checkpoint"] > 0 and rows["hf_load"]["sharded_load_vs_raw_read"] > 0
     assert "| HF sharded load |" in table
-    hf = rows["hf_throughput"]  # an HF Llama through the service vs plain torchrun DDP
-    assert hf["service_tokens_per_s"] > 0 and hf["baseline_tokens_per_s"] > 0 and hf["pairs"]["rounds"] == 1
-    assert hf["workers"] == 2 and hf["warmup_steps"] < hf["steps"]
-    assert "| HF Llama throughput |" in table and "hf_llama_service_vs_torchrun_ddp_tokens_per_s" in results["ratios"]
     assert all(0 < v["large_vs_small_peak_rss"] and v["large_mb"] > 5 * v["small_mb"]
                for v in rows["driver_memory"].values())
     tokenizing = rows["tokenizing"]

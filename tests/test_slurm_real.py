@@ -89,7 +89,8 @@ def test_a_slurm_job_trains_is_cancelled_and_resumes_by_name(slurm, tmp_path, em
              f"--output={tmp_path}/job-%j.log", f"--chdir={REPO}", "cluster/slurm/ray_job.sbatch",
              "training/configs/digits.yaml", "--name", NAME, "--set", f"train.max_steps={MAX_STEPS}",
              "--set", "scaling.num_workers=1", "--set", "train.eval_every_n_steps=100",
-             "--set", "tracking.register_model=false", "--set", "tracking.export_onnx=false"],
+             "--set", "tracking.register_model=false", "--set", "tracking.export_onnx=false",
+             "--set", "tracking.model_format=pickle"],  # (torch.export of the final model: ~10 s the test needs not)
             env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
 
     def log(job: str) -> str:
